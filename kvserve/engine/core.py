@@ -1,0 +1,134 @@
+"""EngineCore: the token-level loop. schedule -> execute -> update, once per ``step()``.
+
+It knows token ids only; text (tokenizing, detokenizing, stop strings) is the frontend's job.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.config import EngineConfig, ModelConfig
+from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.kv_cache.sizing import kv_bytes_per_token, num_kv_blocks_for_budget
+from kvserve.model.attention.backend import get_backend
+from kvserve.model.loader import load_model, resolve_model_path
+from kvserve.scheduler.scheduler import Scheduler
+from kvserve.types import FinishReason, Request, RequestStatus, SamplingParams
+from kvserve.worker.model_runner import ModelRunner
+
+
+@dataclass
+class StepUpdate:
+    """What one step did to one request."""
+
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+
+
+@dataclass(frozen=True)
+class KVCacheInfo:
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def size_kv_cache(config: EngineConfig, model: ModelConfig) -> KVCacheInfo:
+    """Blocks to preallocate: ``num_kv_blocks`` if given, else as many as the memory budget holds."""
+    per_token = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
+                                   torch.finfo(config.torch_dtype).bits // 8)
+    blocks = config.cache.num_kv_blocks or num_kv_blocks_for_budget(
+        config.cache.kv_cache_memory_bytes, config.cache.block_size, per_token)
+    if blocks < 1:
+        raise ValueError(f"kv_cache_memory_bytes={config.cache.kv_cache_memory_bytes} holds no block of "
+                         f"{config.cache.block_size} tokens ({per_token} bytes per token)")
+    return KVCacheInfo(blocks, config.cache.block_size, per_token)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_path = resolve_model_path(config.model)
+        device = torch.device(config.device)
+        model, self.model_config = load_model(self.model_path, config.torch_dtype, device)
+        self.kv_info = size_kv_cache(config, self.model_config)
+        self.max_model_len = min(self.model_config.max_position, config.scheduler.max_model_len or 1 << 62,
+                                 self.kv_info.capacity_tokens)
+        self.kv_cache = KVCacheManager(self.kv_info.num_blocks, self.kv_info.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+        self.runner = ModelRunner(model, self.model_config, get_backend(device), self.kv_info.num_blocks,
+                                  self.kv_info.block_size, config.torch_dtype, device, config.seed)
+        self.num_steps = 0
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """Validate and queue a request; raises ValueError naming the problem."""
+        self.validate_prompt(prompt_token_ids)
+        eos = () if params.ignore_eos else self.model_config.eos_token_ids
+        request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=eos)
+        self.scheduler.add_request(request)
+        return request
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; the context window holds "
+                             f"{self.max_model_len}, so the prompt must be at most {self.max_model_len - 1}")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:3]}")
+
+    def abort_request(self, request_id: str) -> Request | None:
+        return self.scheduler.finish_request(request_id, FinishReason.ABORT)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def step(self) -> list[StepUpdate]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        now = time.perf_counter()
+        for s in out.scheduled:
+            req = self.scheduler.requests[s.request_id]
+            if req.metrics.first_scheduled is None:
+                req.metrics.first_scheduled = now
+        sampled = self.runner.execute(out)
+        self.scheduler.update_after_step(out)
+        self.num_steps += 1
+        return [self._append_token(self.scheduler.requests[rid], tok) for rid, tok in sampled.items()]
+
+    def _append_token(self, request: Request, token: int) -> StepUpdate:
+        request.output_token_ids.append(token)
+        now = time.perf_counter()
+        if request.metrics.first_token is None:
+            request.metrics.first_token = now
+        request.metrics.last_token = now
+        reason = self._stop_reason(request, token)
+        if reason is not None:
+            self.finish(request.request_id, reason)
+        return StepUpdate(request, [token], reason is not None)
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        params = request.sampling_params
+        if token in request.eos_token_ids or token in params.stop_token_ids:
+            return FinishReason.STOP
+        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, request_id: str, reason: FinishReason) -> None:
+        request = self.scheduler.finish_request(request_id, reason)
+        if request is not None:
+            request.metrics.finished = time.perf_counter()
+            request.status = RequestStatus.FINISHED

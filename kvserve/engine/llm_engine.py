@@ -1,0 +1,117 @@
+"""LLMEngine: text in, text out. Wraps EngineCore with the tokenizer and incremental detokenizers.
+
+A request with ``n`` > 1 becomes ``n`` sequences in the core (ids ``<id>#<i>``) gathered back
+into one RequestOutput here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from kvserve.config import EngineConfig
+from kvserve.engine.core import EngineCore
+from kvserve.frontend.detokenizer import IncrementalDetokenizer
+from kvserve.frontend.tokenizer import load_tokenizer
+from kvserve.types import CompletionOutput, FinishReason, Request, RequestOutput, SamplingParams
+
+
+@dataclass
+class _Sequence:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+
+
+@dataclass
+class _Tracked:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[_Sequence]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.sequences)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.core = EngineCore(config)
+        self.tokenizer = load_tokenizer(self.core.model_path)
+        self._tracked: dict[str, _Tracked] = {}
+        self._seq_owner: dict[str, str] = {}
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    def encode(self, prompt: str) -> list[int]:
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        """Tokenize (if text) and queue; raises ValueError for bad input, leaving the engine untouched."""
+        if request_id in self._tracked:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        if text is not None and not text:
+            raise ValueError("prompt is empty: give a non-empty string or token ids")
+        token_ids = self.encode(prompt) if text is not None else list(prompt)
+        self.core.validate_prompt(token_ids)
+        sequences = []
+        for i in range(params.n):
+            child = params if params.n == 1 else dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i)
+            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = self.core.add_request(seq_id, token_ids, child)
+            sequences.append(_Sequence(req, IncrementalDetokenizer(self.tokenizer, token_ids, list(params.stop))))
+            self._seq_owner[seq_id] = request_id
+        self._tracked[request_id] = _Tracked(request_id, text, token_ids, sequences)
+
+    def abort_request(self, request_id: str) -> None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return
+        for seq in tracked.sequences:
+            self.core.abort_request(seq.request.request_id)
+            self._seq_owner.pop(seq.request.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._tracked)
+
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """One engine step; returns an output for every request that produced text or finished
+        (only the finished ones with ``finished_only``, which saves copying on long batches)."""
+        updates = self.core.step()
+        touched: dict[str, _Tracked] = {}
+        for update in updates:
+            owner = self._seq_owner.get(update.request.request_id)
+            tracked = self._tracked.get(owner) if owner else None
+            if tracked is None:
+                continue
+            seq = next(s for s in tracked.sequences if s.request is update.request)
+            seq.detokenizer.add_tokens(update.new_token_ids)
+            if seq.detokenizer.stopped and not update.finished:
+                self.core.finish(update.request.request_id, FinishReason.STOP)
+            touched[tracked.request_id] = tracked
+        return [self._output(t) for t in touched.values() if not finished_only or t.finished]
+
+    def _output(self, tracked: _Tracked) -> RequestOutput:
+        finished = tracked.finished
+        if finished:
+            self._tracked.pop(tracked.request_id, None)
+            for s in tracked.sequences:
+                self._seq_owner.pop(s.request.request_id, None)
+        outputs = [
+            CompletionOutput(
+                index=i,
+                text=s.detokenizer.text,
+                token_ids=list(s.request.output_token_ids),
+                finish_reason=s.request.finish_reason.value if s.request.finish_reason else None,
+            )
+            for i, s in enumerate(tracked.sequences)
+        ]
+        return RequestOutput(tracked.request_id, tracked.prompt, tracked.prompt_token_ids, outputs, finished,
+                             tracked.sequences[0].request.metrics)

@@ -1,0 +1,32 @@
+"""KV-cache arithmetic shared by the engine and the capacity planner, so the two cannot drift."""
+
+from __future__ import annotations
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: float) -> int:
+    """Bytes of K and V one token occupies across all layers (MHA, GQA and MQA alike).
+
+    GQA/MQA enter through ``num_kv_heads``; a quantized cache through ``dtype_bytes`` (e.g. 1 for int8).
+    """
+    return int(2 * num_layers * num_kv_heads * head_dim * dtype_bytes)
+
+
+def num_kv_blocks_for_budget(budget_bytes: int, block_size: int, bytes_per_token: int) -> int:
+    """How many whole blocks of ``block_size`` tokens fit in ``budget_bytes``."""
+    if bytes_per_token <= 0 or block_size <= 0:
+        raise ValueError("bytes_per_token and block_size must be positive")
+    return int(budget_bytes // (block_size * bytes_per_token))
+
+
+def mla_kv_bytes_per_token(num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype_bytes: float) -> int:
+    """Bytes one token occupies in a multi-head latent attention cache (DeepSeek-V2/V3).
+
+    MLA caches one compressed latent that both K and V are rebuilt from, plus the decoupled rotary
+    key: no factor 2 and no head count, which is why it is far smaller than even GQA.
+    """
+    return int(num_layers * (kv_lora_rank + qk_rope_head_dim) * dtype_bytes)
+
+
+def kv_capacity_tokens(budget_bytes: int, block_size: int, bytes_per_token: int) -> int:
+    """Tokens the cache holds: whole blocks only, as the engine allocates them."""
+    return num_kv_blocks_for_budget(budget_bytes, block_size, bytes_per_token) * block_size

@@ -1,0 +1,72 @@
+"""The attention backend seam: the only place that knows how KV blocks are laid out and read.
+
+The model calls ``backend.forward(q, k, v, kv_cache, metadata)`` for every layer. The worker
+builds one ``AttentionMetadata`` per step describing the flat, unpadded batch. A CUDA backend
+(Triton, flash-attn, flashinfer) implements the same two methods and registers itself; nothing
+in the scheduler, worker or model changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch, flattened: sequence ``i`` owns query rows ``query_start[i]:query_start[i+1]``.
+
+    ``seq_lens[i]`` counts the tokens in the cache after this step (cached prefix + new chunk);
+    ``slot_mapping[t]`` is where token ``t``'s K/V is written in the flat cache.
+    """
+
+    num_seqs: int
+    query_start: list[int]  # host copy, len num_seqs + 1
+    seq_lens: list[int]  # host copy
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
+    seq_lens_t: torch.Tensor  # [num_seqs] int64, on device
+    decode_seqs: list[int]  # sequences with exactly one query token
+    prefill_seqs: list[int]  # sequences with several query tokens
+    decode_token_index: torch.Tensor  # [len(decode_seqs)] rows of q for the decodes
+    block_size: int
+
+
+class AttentionBackend(Protocol):
+    """What a backend provides; see ``TorchAttentionBackend`` for the reference semantics."""
+
+    name: str
+
+    def allocate_kv_cache(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor: ...
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor: ...
+
+
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
+
+
+def register_backend(name: str) -> Callable:
+    def wrap(factory: Callable[[], AttentionBackend]) -> Callable[[], AttentionBackend]:
+        _BACKENDS[name] = factory
+        return factory
+
+    return wrap
+
+
+def get_backend(device: torch.device) -> AttentionBackend:
+    """The backend for a device: 'cuda' uses a CUDA backend when one is registered, else 'torch'."""
+    from kvserve.model.attention import torch_sdpa  # noqa: F401  (registers "torch")
+
+    if device.type == "cuda":
+        try:
+            from kvserve.model.attention import triton_paged  # noqa: F401
+        except ImportError:
+            pass
+    name = "cuda" if device.type == "cuda" and "cuda" in _BACKENDS else "torch"
+    return _BACKENDS[name]()

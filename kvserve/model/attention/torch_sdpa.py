@@ -1,0 +1,77 @@
+"""Reference attention backend in plain PyTorch (CPU, and any device as a fallback).
+
+KV cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V).
+Decodes are batched into one SDPA call over their gathered blocks; prefill chunks run one
+sequence at a time, reading the cached prefix only when there is one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.model.attention.backend import AttentionMetadata, register_backend
+
+
+@register_backend("torch")
+class TorchAttentionBackend:
+    name = "torch"
+
+    def allocate_kv_cache(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        # torch.empty: the OS maps pages on first write, so an unused pool costs no resident memory.
+        return torch.empty(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]. Writes k, v into the cache, returns [T, Hq, D]."""
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+        flat[0].index_copy_(0, meta.slot_mapping, k)
+        flat[1].index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        if meta.decode_seqs:
+            rows = meta.decode_token_index
+            out[rows] = self._decode(q[rows], kv_cache, meta, scale)
+        for i in meta.prefill_seqs:
+            start, end = meta.query_start[i], meta.query_start[i + 1]
+            out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], kv_cache, meta, i, scale)
+        return out
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        seqs = meta.decode_seqs
+        seq_lens = meta.seq_lens_t[seqs] if len(seqs) < meta.num_seqs else meta.seq_lens_t
+        max_len = max(meta.seq_lens[i] for i in seqs)
+        num_blocks = -(-max_len // meta.block_size)
+        tables = meta.block_tables[seqs, :num_blocks]  # [B, nb]
+        b = len(seqs)
+        keys = kv_cache[0][tables].view(b, -1, *kv_cache.shape[3:]).transpose(1, 2)  # [B, Hkv, L, D]
+        values = kv_cache[1][tables].view(b, -1, *kv_cache.shape[3:]).transpose(1, 2)
+        positions = torch.arange(keys.shape[2], device=q.device)
+        mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        )  # [B, Hq, 1, D]
+        return out.squeeze(2)
+
+    def _prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, i: int, scale: float
+    ) -> torch.Tensor:
+        num_new, seq_len = q.shape[0], meta.seq_lens[i]
+        q_t = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        if seq_len == num_new:  # nothing cached before this chunk: attend to the chunk itself
+            keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(q_t, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+            return out[0].transpose(0, 1)
+        num_blocks = -(-seq_len // meta.block_size)
+        table = meta.block_tables[i, :num_blocks]
+        shape = kv_cache.shape[3:]
+        keys = kv_cache[0][table].view(-1, *shape)[:seq_len].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+        values = kv_cache[1][table].view(-1, *shape)[:seq_len].transpose(0, 1).unsqueeze(0)
+        # Query j sits at position seq_len - num_new + j and sees keys up to and including itself.
+        q_pos = torch.arange(seq_len - num_new, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        out = F.scaled_dot_product_attention(q_t, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1)

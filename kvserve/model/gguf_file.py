@@ -1,0 +1,118 @@
+"""Reading single-file GGUF checkpoints: config from metadata, weights dequantized to float tensors.
+
+The `gguf` package parses the file and dequantizes every block type it knows (F32, F16, BF16,
+Q8_0, Q4_0, Q4_1, the K-quants...). We map llama.cpp tensor names to Hugging Face names and undo
+the Q/K row permutation llama.cpp applies to Llama-architecture checkpoints.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+# llama.cpp converters permute Q/K rows of these architectures for their RoPE layout.
+_PERMUTED_QK = {"llama", "mistral"}
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+
+
+@lru_cache(maxsize=2)
+def _reader(path: Path):
+    """Parsing the metadata of a GGUF file takes seconds (large vocabularies), so do it once."""
+    import gguf
+
+    return gguf.GGUFReader(str(path))
+
+
+def _field(reader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """An HF-style config.json dict built from the file's metadata."""
+    reader = _reader(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(_ARCHITECTURES)}")
+    names = {t.name for t in reader.tensors}
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    cfg = {
+        "architectures": [_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 4096)),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(tokens))),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+    if "rope_freqs.weight" in names:
+        raise ValueError("GGUF files with rope_freqs (Llama 3.1 scaling) are not supported yet; use the HF folder")
+    return cfg
+
+
+def iter_weights(path: Path, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, float32 tensor) for every tensor in the file."""
+    import gguf
+
+    reader = _reader(path)
+    arch = config["model_type"]
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        array = gguf.quants.dequantize(t.data, t.tensor_type)
+        array = np.array(array, dtype=np.float32, copy=True).reshape(tuple(int(d) for d in reversed(t.shape)))
+        tensor = torch.from_numpy(array)
+        if arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
+            tensor = _unpermute_qk(tensor, heads)
+        yield name, tensor
+
+
+def _hf_name(name: str) -> str:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    prefix, layer, rest = name.split(".", 2)
+    if prefix != "blk" or rest not in _LAYER_NAMES:
+        raise ValueError(f"GGUF tensor {name!r} is not understood by kvserve")
+    return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
+
+
+def _unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head interleaving of rotary pairs back to the HF "rotate half" layout."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)

@@ -1,0 +1,84 @@
+"""Find a model, read its config and fill its weights: HF folders (safetensors) and GGUF files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from kvserve.config import ModelConfig
+from kvserve.model import gguf_file
+from kvserve.model.default_model import verified_default_model_path
+from kvserve.model.registry import model_class
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """None means the bundled default model; anything else must be a folder or a .gguf file."""
+    if model is None:
+        return verified_default_model_path()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model={str(model)!r}: folder has no config.json")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    raise ValueError(f"model={str(model)!r} is not a model folder (with config.json) or a .gguf file")
+
+
+def is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix == ".gguf"
+
+
+def load_hf_config(path: str | Path) -> dict[str, Any]:
+    """The HF config.json dict of a model folder, or one built from a GGUF file's metadata."""
+    path = Path(path)
+    if is_gguf(path):
+        return gguf_file.read_config(path)
+    with open(path / "config.json") as f:
+        return json.load(f)
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    path = Path(path)
+    cfg = ModelConfig.from_hf(load_hf_config(path))
+    if not is_gguf(path):
+        cfg = _with_generation_eos(cfg, path)
+    return cfg
+
+
+def _with_generation_eos(cfg: ModelConfig, path: Path) -> ModelConfig:
+    """generation_config.json may list extra EOS ids (e.g. Llama 3's <|eot_id|>)."""
+    gen = path / "generation_config.json"
+    if not gen.is_file():
+        return cfg
+    eos = json.loads(gen.read_text()).get("eos_token_id")
+    extra = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    merged = tuple(dict.fromkeys([*cfg.eos_token_ids, *extra]))
+    return ModelConfig(**{**cfg.__dict__, "eos_token_ids": merged})
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model folder {path} has no *.safetensors files")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[torch.nn.Module, ModelConfig]:
+    """Build the registered model class for the checkpoint and fill every parameter."""
+    hf = load_hf_config(path)
+    config = load_model_config(path)
+    cls = model_class(config.architecture)
+    with torch.device(device):
+        model = cls(config, dtype)
+    weights = gguf_file.iter_weights(path, hf) if is_gguf(path) else iter_safetensors(path)
+    model.load_weights(weights)
+    return model.eval(), config

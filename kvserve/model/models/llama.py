@@ -1,0 +1,150 @@
+"""One decoder covering the Llama family: Llama 2/3, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm),
+SmolLM2. MHA, GQA and MQA differ only in ``num_kv_heads``.
+
+The forward pass takes a flat batch of tokens from many requests at once (no padding, no batch
+dimension); attention is delegated to the backend, which reads and writes the paged KV cache.
+Q/K/V and gate/up projections are fused into one matmul each.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.config import ModelConfig
+from kvserve.model.attention.backend import AttentionBackend, AttentionMetadata
+from kvserve.model.layers.linear import Linear
+from kvserve.model.layers.norm import RMSNorm
+from kvserve.model.layers.rotary import RotaryEmbedding
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, q + 2 * kv, cfg.attention_bias, dtype,
+                               shards={"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv)})
+        self.o_proj = Linear(q, cfg.hidden_size, False, dtype)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.scale = cfg.head_dim**-0.5
+        self.splits = (q, kv, kv)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, False, dtype,
+                                   shards={"gate_proj": (0, inter), "up_proj": (inter, inter)})
+        self.down_proj = Linear(inter, cfg.hidden_size, False, dtype)
+        self.inter = inter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, dtype)
+        self.mlp = MLP(cfg, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, positions, x, rotary, kv_cache, meta, backend) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), rotary, kv_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, _freeze=True,
+                                               _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
+        self.layers = torch.nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class LlamaForCausalLM(torch.nn.Module):
+    """Parameter names follow Hugging Face checkpoints, except the fused qkv/gate_up projections."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg, dtype)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        """Hidden states [T, hidden] for a flat batch of T tokens."""
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(positions, x, self.rotary, kv_cache, meta, backend)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into parameters, routing q/k/v and gate/up into fused weights.
+
+        Raises ValueError if a parameter is left unfilled or a tensor's shape does not match.
+        """
+        params = dict(self.named_parameters())
+        fused = _fused_targets(self)
+        filled: set[str] = set()
+        for name, tensor in weights:
+            if name.startswith("lm_head.") and self.lm_head is None:
+                continue  # tied embeddings: some checkpoints still carry a copy
+            if "rotary_emb" in name:
+                continue
+            target, rows = fused.get(name, (name, None))
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            dest = params[target].data if rows is None else params[target].data[rows[0]:rows[0] + rows[1]]
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            filled.add(name if rows is None else target + "/" + name)
+        _check_all_filled(params, fused, filled)
+
+
+def _fused_targets(model: torch.nn.Module) -> dict[str, tuple[str, tuple[int, int]]]:
+    """Checkpoint name -> (fused parameter name, (row offset, rows)) for every sharded Linear."""
+    out = {}
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, Linear) and mod.shards:
+            parent = mod_name.rsplit(".", 1)[0]
+            for shard, rows in mod.shards.items():
+                for kind in ("weight", "bias"):
+                    if getattr(mod, kind) is not None:
+                        out[f"{parent}.{shard}.{kind}"] = (f"{mod_name}.{kind}", rows)
+    return out
+
+
+def _check_all_filled(params: dict, fused: dict, filled: set[str]) -> None:
+    fused_names = {target + "/" + name for name, (target, _) in fused.items()}
+    fused_params = {target for target, _ in fused.values()}
+    missing = [p for p in params if p not in fused_params and p not in filled]
+    missing += [n.split("/", 1)[1] for n in fused_names if n not in filled]
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")

@@ -1,0 +1,26 @@
+"""Model classes keyed by the `architectures` entry of config.json."""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.model.models.llama import LlamaForCausalLM
+
+_MODELS: dict[str, type[torch.nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def model_class(architecture: str) -> type[torch.nn.Module]:
+    if architecture not in _MODELS:
+        raise ValueError(
+            f"architecture {architecture!r} is not supported; supported: {', '.join(supported_architectures())}"
+        )
+    return _MODELS[architecture]

@@ -1,0 +1,84 @@
+"""Batched sampling where every row carries its own parameters.
+
+Rows are sampled with the exponential-race trick (argmax of p / Exp(1) noise) instead of
+multinomial: one vectorised argmax for the whole batch. A seeded request draws its noise from a
+generator keyed by (seed, tokens generated so far), so its samples do not depend on what else
+is in the batch, on preemption, or on earlier steps having run at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.types import SamplingParams
+
+_SEED_STRIDE = 1_000_003
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row parameters as tensors, built once per step."""
+
+    params: list[SamplingParams]
+    num_generated: list[int]
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(p.greedy for p in self.params)
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)  # for rows without their own seed
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """logits [B, V] -> next token ids [B] (int64, on the CPU)."""
+        logits = logits.float()
+        greedy = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            return greedy.cpu()
+        probs = self._filtered_probs(logits, batch.params)
+        noise = self._noise(probs.shape, batch).to(probs.device)
+        sampled = (probs / noise).argmax(dim=-1)
+        is_greedy = torch.tensor([p.greedy for p in batch.params], device=logits.device)
+        return torch.where(is_greedy, greedy, sampled).cpu()
+
+    def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Temperature, then top-k, top-p and min-p masks, then softmax."""
+        device = logits.device
+        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+        logits = logits / temps[:, None]
+        if any(p.top_k > 0 for p in params) or any(p.top_p < 1 for p in params):
+            logits = _top_k_top_p(logits, params)
+        probs = logits.softmax(dim=-1)
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=device)
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        return probs
+
+    def _noise(self, shape: torch.Size, batch: SamplingBatch) -> torch.Tensor:
+        noise = torch.empty(shape).exponential_(generator=self.generator)
+        for row, (p, n) in enumerate(zip(batch.params, batch.num_generated)):
+            if p.seed is not None and not p.greedy:
+                gen = torch.Generator().manual_seed(p.seed * _SEED_STRIDE + n)
+                noise[row].exponential_(generator=gen)
+        return noise
+
+
+def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Mask logits outside each row's top-k and nucleus (top-p); the best token always survives."""
+    device = logits.device
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    ranks = torch.arange(vocab, device=device)[None, :]
+    remove = ranks >= k[:, None]
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    sorted_probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+    cumulative = sorted_probs.cumsum(dim=-1)
+    remove |= (cumulative - sorted_probs) >= top_p[:, None]  # drop tokens once mass before them >= top_p
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

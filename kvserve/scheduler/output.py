@@ -1,0 +1,38 @@
+"""Plain data the scheduler hands the worker each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.types import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: compute ``token_ids`` at positions ``start_pos ...``.
+
+    ``sample`` is true when this chunk reaches the end of the request's known tokens, so the
+    last position's logits give its next token (a partial prefill chunk samples nothing).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool
+    sampling_params: SamplingParams
+    num_generated: int = 0  # tokens generated so far, e.g. for per-request RNG streams
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
