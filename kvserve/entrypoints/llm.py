@@ -23,7 +23,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, dtype: str = "float32", block_size: int = 16,
                  num_kv_blocks: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 seed: int = 0, max_model_len: int | None = None, kv_cache_memory_bytes: int = 2 * 1024**3,
+                 seed: int = 0, max_model_len: int | None = None, kv_cache_memory_bytes: int = 1024**3,
                  device: str = "cpu") -> None:
         config = EngineConfig(
             model=model, dtype=dtype, seed=seed, device=device,

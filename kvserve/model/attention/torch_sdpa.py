@@ -20,8 +20,9 @@ class TorchAttentionBackend:
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
-        # torch.empty: the OS maps pages on first write, so an unused pool costs no resident memory.
-        return torch.empty(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        # Zeroed, not empty: padded block-table entries and unwritten slots are read under a mask,
+        # and a masked 0 weight times a garbage NaN would still poison the output.
+        return torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float

