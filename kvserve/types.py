@@ -6,6 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # the most alternatives returned per token, as in OpenAI's API
+
 
 @dataclass
 class SamplingParams:
@@ -14,6 +16,13 @@ class SamplingParams:
     A ``temperature`` of 0 means greedy. ``top_k`` of 0 or -1 disables top-k; ``top_p`` of 1 and
     ``min_p`` of 0 disable those filters. ``seed`` makes this request's samples reproducible no
     matter what else shares its batch.
+
+    Penalties follow vLLM: ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2]) subtract from
+    the logits of tokens already generated; ``repetition_penalty`` (> 0, 1 disables) divides positive
+    and multiplies negative logits of tokens seen in the prompt or the output. ``logit_bias`` adds
+    a bias in [-100, 100] to the given token ids. ``logprobs`` asks for the chosen token's log
+    probability plus that many likeliest alternatives (0 to 20) per generated token;
+    ``prompt_logprobs`` the same for every prompt token after the first.
     """
 
     max_tokens: int = 16
@@ -26,12 +35,19 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         self.validate()
 
     def validate(self) -> None:
@@ -54,10 +70,43 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers")
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n={self.n!r} must be an integer >= 1")
+        self._validate_extras()
+
+    def _validate_extras(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [-2, 2]")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0 (1 disables it)")
+        for token, bias in (self.logit_bias or {}).items():
+            if not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias key {token!r} must be a non-negative token id")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias[{token}]={bias} must be in [-100, 100]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name}={value!r} must be an integer in [0, {MAX_LOGPROBS}] or None")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def needs_penalties(self) -> bool:
+        """True when the logits must be adjusted from this request's token history or logit_bias."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias)
+
+
+@dataclass
+class TokenLogprob:
+    """One token's log probability under the model's raw distribution (before penalties and
+    temperature), with the ``top`` likeliest (token id, logprob) pairs at that position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 class FinishReason(str, enum.Enum):
@@ -116,6 +165,8 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # filled when params.logprobs is set
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # for prompt tokens 1.., if asked
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -151,6 +202,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when SamplingParams.logprobs is set
 
 
 @dataclass
@@ -163,6 +215,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # None for the first prompt token
 
     # Shortcuts for the common n == 1 case.
     @property

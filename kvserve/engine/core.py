@@ -16,8 +16,8 @@ from kvserve.kv_cache.sizing import kv_bytes_per_token, num_kv_blocks_for_budget
 from kvserve.model.attention.backend import get_backend
 from kvserve.model.loader import load_model, resolve_model_path
 from kvserve.scheduler.scheduler import Scheduler
-from kvserve.types import FinishReason, Request, RequestStatus, SamplingParams
-from kvserve.worker.model_runner import ModelRunner
+from kvserve.types import FinishReason, Request, RequestStatus, SamplingParams, TokenLogprob
+from kvserve.worker.model_runner import ModelRunner, RunnerOutput
 
 
 @dataclass
@@ -71,6 +71,7 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         """Validate and queue a request; raises ValueError naming the problem."""
         self.validate_prompt(prompt_token_ids)
+        self.validate_params(params)
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=eos)
         self.scheduler.add_request(request)
@@ -86,6 +87,13 @@ class EngineCore:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:3]}")
+
+    def validate_params(self, params: SamplingParams) -> None:
+        """Checks that need the model: logit_bias token ids must be in the vocabulary."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in (params.logit_bias or {}) if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}); got {bad[:3]}")
 
     def abort_request(self, request_id: str) -> Request | None:
         return self.scheduler.finish_request(request_id, FinishReason.ABORT)
@@ -106,10 +114,19 @@ class EngineCore:
         sampled = self.runner.execute(out)
         self.scheduler.update_after_step(out)
         self.num_steps += 1
-        return [self._append_token(self.scheduler.requests[rid], tok) for rid, tok in sampled.items()]
+        self._record_prompt_logprobs(sampled)
+        return [self._append_token(self.scheduler.requests[rid], tok, sampled.logprobs.get(rid))
+                for rid, tok in sampled.token_ids.items()]
 
-    def _append_token(self, request: Request, token: int) -> StepUpdate:
+    def _record_prompt_logprobs(self, sampled: RunnerOutput) -> None:
+        # Slice assignment: a chunk recomputed after preemption overwrites its own positions.
+        for rid, (first, scored) in sampled.prompt_logprobs.items():
+            self.scheduler.requests[rid].prompt_logprobs[first - 1:first - 1 + len(scored)] = scored
+
+    def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None = None) -> StepUpdate:
         request.output_token_ids.append(token)
+        if logprob is not None:
+            request.output_logprobs.append(logprob)
         now = time.perf_counter()
         if request.metrics.first_token is None:
             request.metrics.first_token = now

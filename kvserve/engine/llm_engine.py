@@ -60,6 +60,7 @@ class LLMEngine:
             raise ValueError("prompt is empty: give a non-empty string or token ids")
         token_ids = self.encode(prompt) if text is not None else list(prompt)
         self.core.validate_prompt(token_ids)
+        self.core.validate_params(params)
         sequences = []
         for i in range(params.n):
             child = params if params.n == 1 else dataclasses.replace(
@@ -110,8 +111,11 @@ class LLMEngine:
                 text=s.detokenizer.text,
                 token_ids=list(s.request.output_token_ids),
                 finish_reason=s.request.finish_reason.value if s.request.finish_reason else None,
+                logprobs=None if s.request.sampling_params.logprobs is None else list(s.request.output_logprobs),
             )
             for i, s in enumerate(tracked.sequences)
         ]
+        first = tracked.sequences[0].request
+        prompt_logprobs = None if first.sampling_params.prompt_logprobs is None else [None, *first.prompt_logprobs]
         return RequestOutput(tracked.request_id, tracked.prompt, tracked.prompt_token_ids, outputs, finished,
-                             tracked.sequences[0].request.metrics)
+                             first.metrics, prompt_logprobs)

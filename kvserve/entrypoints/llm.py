@@ -53,6 +53,7 @@ class LLM:
                 if isinstance(prompt, str) and not prompt:
                     raise ValueError("prompt is empty: give a non-empty string or token ids")
                 self.engine.core.validate_prompt(token_ids)
+                self.engine.core.validate_params(params[i])
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
         ids = [f"offline-{next(self._ids)}" for _ in prompts]

@@ -4,15 +4,19 @@ Rows are sampled with the exponential-race trick (argmax of p / Exp(1) noise) in
 multinomial: one vectorised argmax for the whole batch. A seeded request draws its noise from a
 generator keyed by (seed, tokens generated so far), so its samples do not depend on what else
 is in the batch, on preemption, or on earlier steps having run at all.
+
+Penalties and logit_bias (penalties.py) adjust the logits first; logprobs are read from the raw
+log-softmax, before penalties and temperature, and only for the rows that ask.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.types import SamplingParams
+from kvserve.sample.penalties import apply_penalties
+from kvserve.types import SamplingParams, TokenLogprob
 
 _SEED_STRIDE = 1_000_003
 
@@ -23,19 +27,38 @@ class SamplingBatch:
 
     params: list[SamplingParams]
     num_generated: list[int]
+    # Each row's token history, read only by rows that need penalties (references, not copies).
+    prompt_token_ids: list[list[int]] = field(default_factory=list)
+    output_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def all_greedy(self) -> bool:
         return all(p.greedy for p in self.params)
 
 
+@dataclass
+class SamplerOutput:
+    """Next token per row; ``logprobs`` per row (None for rows that did not ask), or None if none asked."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None] | None = None
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)  # for rows without their own seed
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """logits [B, V] -> next token ids [B] (int64, on the CPU)."""
-        logits = logits.float()
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """logits [B, V] -> the next token id of every row (and logprobs where asked)."""
+        raw = logits.float()
+        tokens = self._sample(apply_penalties(raw, batch.params, batch.prompt_token_ids, batch.output_token_ids),
+                              batch)
+        if all(p.logprobs is None for p in batch.params):
+            return SamplerOutput(tokens.tolist())
+        return SamplerOutput(tokens.tolist(), token_logprobs(raw, tokens, [p.logprobs for p in batch.params]))
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Next token ids [B] (int64, on the CPU)."""
         greedy = logits.argmax(dim=-1)
         if batch.all_greedy:
             return greedy.cpu()
@@ -65,6 +88,29 @@ class Sampler:
                 gen = torch.Generator().manual_seed(p.seed * _SEED_STRIDE + n)
                 noise[row].exponential_(generator=gen)
         return noise
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+                   num_top: list[int | None]) -> list[TokenLogprob | None]:
+    """Log-softmax of the rows whose ``num_top`` is not None: the chosen token's logprob and the top-k pairs."""
+    rows = [i for i, k in enumerate(num_top) if k is not None]
+    index = torch.tensor(rows, device=logits.device)
+    logprobs = logits.index_select(0, index).log_softmax(dim=-1)
+    chosen_ids = token_ids.to(logits.device).index_select(0, index)
+    chosen = logprobs.gather(1, chosen_ids[:, None]).squeeze(1).tolist()
+    top_values, top_ids = logprobs.topk(max(num_top[i] for i in rows), dim=-1)
+    top_values, top_ids, chosen_ids = top_values.tolist(), top_ids.tolist(), chosen_ids.tolist()
+    out: list[TokenLogprob | None] = [None] * len(num_top)
+    for j, i in enumerate(rows):
+        kept = num_top[i]
+        out[i] = TokenLogprob(chosen_ids[j], chosen[j], list(zip(top_ids[j][:kept], top_values[j][:kept])))
+    return out
+
+
+def scored_logprobs(logits: torch.Tensor, targets: list[int], num_top: int) -> list[TokenLogprob]:
+    """Logprob of ``targets[i]`` under row i of ``logits``, with each row's ``num_top`` best (prompt scoring)."""
+    ids = torch.tensor(targets, device=logits.device)
+    return token_logprobs(logits, ids, [num_top] * len(targets))  # type: ignore[return-value]
 
 
 def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -22,6 +22,9 @@ class ScheduledRequest:
     sample: bool
     sampling_params: SamplingParams
     num_generated: int = 0  # tokens generated so far, e.g. for per-request RNG streams
+    # The request's token history, for penalties and prompt logprobs (shared references, not copies).
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

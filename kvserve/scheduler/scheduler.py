@@ -111,6 +111,8 @@ class Scheduler:
             sample=start + num_new == request.num_tokens,
             sampling_params=request.sampling_params,
             num_generated=len(request.output_token_ids),
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
         )
 
     def update_after_step(self, out: SchedulerOutput) -> None:

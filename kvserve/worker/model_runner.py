@@ -6,13 +6,25 @@ Owns the device state: the model, the KV-cache tensors, the attention backend an
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass, field
 
 import torch
 
 from kvserve.config import ModelConfig
 from kvserve.model.attention.backend import AttentionBackend, AttentionMetadata
-from kvserve.sample.sampler import Sampler, SamplingBatch
+from kvserve.sample.sampler import Sampler, SamplingBatch, scored_logprobs
 from kvserve.scheduler.output import ScheduledRequest, SchedulerOutput
+from kvserve.types import TokenLogprob
+
+
+@dataclass
+class RunnerOutput:
+    """What one step produced: the sampled token of every request whose chunk ends its tokens, their
+    logprobs where asked, and prompt logprobs as (first prompt position scored, one per position)."""
+
+    token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -27,19 +39,40 @@ class ModelRunner:
         self.sampler = Sampler(seed)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Run the step; returns {request_id: sampled token} for requests whose chunk ends their tokens."""
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run the step; sample the next token of every request whose chunk ends its known tokens."""
         batch = out.scheduled
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        result = RunnerOutput(prompt_logprobs=self._prompt_logprobs(batch, hidden, meta))
         rows = [i for i, s in enumerate(batch) if s.sample]
         if not rows:
-            return {}
+            return result
         last = torch.tensor([meta.query_start[i + 1] - 1 for i in rows], device=self.device)
         logits = self.model.compute_logits(hidden[last])
-        sampling = SamplingBatch([batch[i].sampling_params for i in rows], [batch[i].num_generated for i in rows])
-        tokens = self.sampler(logits, sampling).tolist()
-        return {batch[i].request_id: tok for i, tok in zip(rows, tokens)}
+        chosen = [batch[i] for i in rows]
+        sampling = SamplingBatch([s.sampling_params for s in chosen], [s.num_generated for s in chosen],
+                                 [s.prompt_token_ids for s in chosen], [s.output_token_ids for s in chosen])
+        sampled = self.sampler(logits, sampling)
+        result.token_ids = {s.request_id: tok for s, tok in zip(chosen, sampled.token_ids)}
+        if sampled.logprobs is not None:
+            result.logprobs = {s.request_id: lp for s, lp in zip(chosen, sampled.logprobs) if lp is not None}
+        return result
+
+    def _prompt_logprobs(self, batch: list[ScheduledRequest], hidden: torch.Tensor,
+                         meta: AttentionMetadata) -> dict[str, tuple[int, list[TokenLogprob]]]:
+        """Score the prompt tokens this step's chunk predicts: position p's logits give token p + 1."""
+        result = {}
+        for i, s in enumerate(batch):
+            k = s.sampling_params.prompt_logprobs
+            end = min(s.start_pos + len(s.token_ids), len(s.prompt_token_ids) - 1)
+            if k is None or end <= s.start_pos:
+                continue
+            first = meta.query_start[i]
+            logits = self.model.compute_logits(hidden[first:first + end - s.start_pos])
+            targets = s.prompt_token_ids[s.start_pos + 1:end + 1]
+            result[s.request_id] = (s.start_pos + 1, scored_logprobs(logits.float(), targets, k))
+        return result
 
     def _prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flat token ids, positions and attention metadata, built with vectorised ops."""

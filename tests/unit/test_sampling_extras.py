@@ -1,0 +1,150 @@
+"""Penalties, logit_bias and logprobs: the maths against a slow reference, and through the engine."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.sample.penalties import apply_penalties
+from kvserve.sample.sampler import Sampler, SamplingBatch
+from tests.conftest import assert_no_leak
+
+V = 12
+
+
+def _reference(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """One row, one token at a time: the vLLM formulas written out."""
+    out = logits.clone()
+    for tok in range(V):
+        count = output.count(tok)
+        if tok in prompt or count:
+            rp = p.repetition_penalty
+            out[tok] = out[tok] / rp if out[tok] > 0 else out[tok] * rp
+        out[tok] -= p.frequency_penalty * count + p.presence_penalty * (count > 0)
+        out[tok] += (p.logit_bias or {}).get(tok, 0.0)
+    return out
+
+
+def test_penalties_match_reference_per_row():
+    torch.manual_seed(0)
+    logits = torch.randn(4, V) * 3
+    params = [SamplingParams(temperature=0),
+              SamplingParams(repetition_penalty=1.7, frequency_penalty=0.5, presence_penalty=-0.3),
+              SamplingParams(logit_bias={3: 5.0, 7: -100.0}, repetition_penalty=0.8),
+              SamplingParams(frequency_penalty=2.0)]
+    prompts = [[1, 2], [1, 2, 2, 9], [3, 3], [0]]
+    outputs = [[4], [2, 5, 5, 5], [], [6, 6, 11]]
+    got = apply_penalties(logits, params, prompts, outputs)
+    for row in range(4):
+        want = _reference(logits[row], params[row], prompts[row], outputs[row])
+        torch.testing.assert_close(got[row], want)
+
+
+def test_no_penalty_rows_cost_nothing():
+    logits = torch.randn(3, V)
+    params = [SamplingParams(temperature=0)] * 3
+    assert apply_penalties(logits, params, [[1]] * 3, [[2]] * 3) is logits
+
+
+def test_frequency_penalty_changes_greedy_choice():
+    logits = torch.tensor([[5.0, 4.9] + [0.0] * (V - 2)] * 2)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, frequency_penalty=2.0)]
+    out = Sampler()(logits, SamplingBatch(params, [1, 1], [[3], [3]], [[0], [0]]))
+    assert out.token_ids == [0, 1]
+    assert out.logprobs is None
+
+
+def test_logprobs_are_raw_log_softmax():
+    torch.manual_seed(1)
+    logits = torch.randn(3, V)
+    params = [SamplingParams(temperature=0, logprobs=3, logit_bias={5: 100.0}),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=0.5, seed=7, logprobs=0)]
+    out = Sampler()(logits, SamplingBatch(params, [0, 0, 0], [[1]] * 3, [[]] * 3))
+    raw = logits.log_softmax(-1)
+    assert out.token_ids[0] == 5  # the bias decides the token ...
+    first = out.logprobs[0]
+    assert first.token_id == 5 and math.isclose(first.logprob, raw[0, 5].item(), rel_tol=1e-5)  # ... not its logprob
+    top_values, top_ids = raw[0].topk(3)
+    assert [t for t, _ in first.top] == top_ids.tolist()
+    assert [v for _, v in first.top] == pytest.approx(top_values.tolist(), rel=1e-5)
+    assert out.logprobs[1] is None
+    third = out.logprobs[2]
+    assert third.top == [] and math.isclose(third.logprob, raw[2, out.token_ids[2]].item(), rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-3), "frequency_penalty"),
+    (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias"),
+    (dict(logit_bias={4: 101.0}), "logit_bias"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(logprobs=-1), "logprobs"),
+    (dict(prompt_logprobs=50), "prompt_logprobs"),
+])
+def test_bad_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama):
+    return LLM(model=str(tiny_llama), num_kv_blocks=128, block_size=8, max_model_len=256)
+
+
+def test_logit_bias_out_of_vocab_is_rejected(tiny):
+    with pytest.raises(ValueError, match=r"logit_bias.*\[0, 512\)"):
+        tiny.generate([[5, 6]], SamplingParams(logit_bias={600: 1.0}))
+    assert_no_leak(tiny)
+
+
+def test_logit_bias_forces_token_through_engine(tiny):
+    out = tiny.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True,
+                                                    logit_bias={42: 100.0}))[0]
+    assert out.token_ids == [42] * 5
+
+
+def test_penalised_row_batched_equals_alone(tiny):
+    bias = {42: 6.0}  # makes the random model repeat token 42, so the penalties have work to do
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logit_bias=bias, repetition_penalty=1.5,
+                            presence_penalty=1.0, frequency_penalty=0.5)
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logit_bias=bias)
+    alone = tiny.generate([[9, 10, 11]], params)[0].token_ids
+    batched = tiny.generate([[5, 6], [9, 10, 11], [7]], [plain, params, plain])
+    assert batched[1].token_ids == alone
+    assert batched[1].token_ids != tiny.generate([[9, 10, 11]], plain)[0].token_ids == [42] * 12
+    assert_no_leak(tiny)
+
+
+def test_output_logprobs_match_prompt_logprobs_of_same_tokens(tiny):
+    """Two code paths, one distribution: decoding's logprobs equal scoring the same text as a prompt."""
+    prompt = [5, 6, 7, 8]
+    gen = tiny.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2))[0]
+    lps = gen.outputs[0].logprobs
+    assert len(lps) == len(gen.token_ids) == 6
+    for lp, tok in zip(lps, gen.token_ids):
+        assert lp.token_id == tok and lp.top[0][0] == tok  # greedy picks the top token
+        assert lp.logprob == pytest.approx(lp.top[0][1])
+    scored = tiny.generate([prompt + gen.token_ids], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+    assert scored.prompt_logprobs[0] is None and len(scored.prompt_logprobs) == len(prompt) + 6
+    for lp, want in zip(scored.prompt_logprobs[len(prompt):], lps):
+        assert lp.token_id == want.token_id
+        assert lp.logprob == pytest.approx(want.logprob, abs=1e-4)
+    assert_no_leak(tiny)
+
+
+def test_prompt_logprobs_across_prefill_chunks(tiny_llama):
+    """A prompt split over several steps by the token budget is scored once per position."""
+    prompt = list(range(3, 43))
+    whole = LLM(model=str(tiny_llama), num_kv_blocks=64, block_size=8).generate(
+        [prompt], SamplingParams(max_tokens=1, prompt_logprobs=1))[0].prompt_logprobs
+    chunked = LLM(model=str(tiny_llama), num_kv_blocks=64, block_size=8, max_num_batched_tokens=16).generate(
+        [prompt], SamplingParams(max_tokens=1, prompt_logprobs=1))[0].prompt_logprobs
+    assert len(whole) == len(chunked) == len(prompt)
+    assert [lp.token_id for lp in chunked[1:]] == prompt[1:]
+    for a, b in zip(whole[1:], chunked[1:]):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
