@@ -89,6 +89,7 @@ class ModelRunner:
         block_tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in batch], dtype=torch.long)
         slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
         decode_seqs = [i for i, n in enumerate(lens) if n == 1]
+        decode_width = -(-max((seq_lens[i] for i in decode_seqs), default=0) // bs)
         meta = AttentionMetadata(
             num_seqs=len(batch),
             query_start=query_start,
@@ -99,6 +100,8 @@ class ModelRunner:
             decode_seqs=decode_seqs,
             prefill_seqs=[i for i, n in enumerate(lens) if n > 1],
             decode_token_index=torch.tensor([query_start[i] for i in decode_seqs], dtype=torch.long, device=dev),
+            decode_block_tables=block_tables[decode_seqs, :decode_width].to(dev),
+            decode_seq_lens=torch.tensor([seq_lens[i] for i in decode_seqs], dtype=torch.long, device=dev),
             block_size=bs,
         )
         return input_ids.to(dev), positions.to(dev), meta

@@ -31,6 +31,8 @@ class AttentionMetadata:
     decode_seqs: list[int]  # sequences with exactly one query token
     prefill_seqs: list[int]  # sequences with several query tokens
     decode_token_index: torch.Tensor  # [len(decode_seqs)] rows of q for the decodes
+    decode_block_tables: torch.Tensor  # [len(decode_seqs), blocks of the longest decode]
+    decode_seq_lens: torch.Tensor  # [len(decode_seqs)] int64
     block_size: int
 
 

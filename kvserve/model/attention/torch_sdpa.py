@@ -11,11 +11,17 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model.attention.backend import AttentionMetadata, register_backend
+from kvserve.model.attention.cpu_kernels import load_cpu_kernels
 
 
 @register_backend("torch")
 class TorchAttentionBackend:
+    """Decodes use the compiled paged kernel on the CPU when it builds, else a gather + SDPA."""
+
     name = "torch"
+
+    def __init__(self, use_kernels: bool = True) -> None:
+        self.kernels = load_cpu_kernels() if use_kernels else None
 
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
@@ -42,12 +48,10 @@ class TorchAttentionBackend:
         return out
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        seqs = meta.decode_seqs
-        seq_lens = meta.seq_lens_t[seqs] if len(seqs) < meta.num_seqs else meta.seq_lens_t
-        max_len = max(meta.seq_lens[i] for i in seqs)
-        num_blocks = -(-max_len // meta.block_size)
-        tables = meta.block_tables[seqs, :num_blocks]  # [B, nb]
-        b = len(seqs)
+        tables, seq_lens = meta.decode_block_tables, meta.decode_seq_lens  # [B, nb], [B]
+        if self.kernels is not None and q.device.type == "cpu":
+            return self.kernels.paged_decode_attention(q.contiguous(), kv_cache[0], kv_cache[1], tables, seq_lens, scale)
+        b = tables.shape[0]
         keys = kv_cache[0][tables].view(b, -1, *kv_cache.shape[3:]).transpose(1, 2)  # [B, Hkv, L, D]
         values = kv_cache[1][tables].view(b, -1, *kv_cache.shape[3:]).transpose(1, 2)
         positions = torch.arange(keys.shape[2], device=q.device)

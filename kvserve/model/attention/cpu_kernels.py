@@ -1,0 +1,50 @@
+"""Build (once, cached) and load kvserve's C++ CPU kernels.
+
+The build is keyed by the source's hash and this CPU's instruction-set flags, because it is
+compiled with -march=native. If no compiler is available the caller falls back to plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+
+
+def _cpu_signature() -> str:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return flags
+
+
+@lru_cache(maxsize=1)
+def load_cpu_kernels() -> ModuleType | None:
+    """The compiled extension, or None (with a warning) if it cannot be built here.
+
+    Set KVSERVE_DISABLE_CPU_KERNELS=1 to force the pure-PyTorch path.
+    """
+    if os.environ.get("KVSERVE_DISABLE_CPU_KERNELS") == "1":
+        return None
+    from torch.utils import cpp_extension
+
+    from kvserve.frontend.tokenizer import cache_dir
+
+    digest = hashlib.sha256(_SOURCE.read_bytes() + _cpu_signature().encode()).hexdigest()[:12]
+    build_dir = cache_dir() / "kernels" / digest
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(
+            name=f"kvserve_cpu_{digest}", sources=[str(_SOURCE)], build_directory=str(build_dir),
+            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only"], verbose=False)
+    except Exception as e:  # no compiler, no ninja, odd platform: the PyTorch path still works
+        log.warning("kvserve: C++ CPU kernels unavailable (%s); using the PyTorch attention path", e)
+        return None
