@@ -82,6 +82,12 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._tracked)
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._tracked
+
+    def request_ids(self) -> list[str]:
+        return list(self._tracked)
+
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One engine step; returns an output for every request that produced text or finished
         (only the finished ones with ``finished_only``, which saves copying on long batches)."""
@@ -108,7 +114,9 @@ class LLMEngine:
         outputs = [
             CompletionOutput(
                 index=i,
-                text=s.detokenizer.text,
+                # Unfinished text stops short of a tail that may still become a stop string, so a
+                # stream never shows text that a later token would cut away.
+                text=s.detokenizer.text[:s.detokenizer.stream_safe_length(s.request.is_finished)],
                 token_ids=list(s.request.output_token_ids),
                 finish_reason=s.request.finish_reason.value if s.request.finish_reason else None,
                 logprobs=None if s.request.sampling_params.logprobs is None else list(s.request.output_logprobs),

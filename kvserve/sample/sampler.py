@@ -85,7 +85,7 @@ class Sampler:
         noise = torch.empty(shape).exponential_(generator=self.generator)
         for row, (p, n) in enumerate(zip(batch.params, batch.num_generated)):
             if p.seed is not None and not p.greedy:
-                gen = torch.Generator().manual_seed(p.seed * _SEED_STRIDE + n)
+                gen = torch.Generator().manual_seed((p.seed * _SEED_STRIDE + n) % (1 << 63))  # any int seed is valid
                 noise[row].exponential_(generator=gen)
         return noise
 

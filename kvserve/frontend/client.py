@@ -1,0 +1,282 @@
+"""AsyncEngineClient: asyncio request handlers on one side, the engine on its own thread on the other.
+
+The LLMEngine lives on ONE dedicated thread that owns it exclusively: loading, add, abort and
+step all happen there, fed by a thread-safe command queue. The thread steps while there is work
+and blocks on the queue when idle. After each step it hands all outputs to the event loop in one
+``call_soon_threadsafe``, so neither side ever waits on the other: a slow client cannot stall a
+step, and a long step cannot stall the HTTP layer (torch releases the GIL while it computes).
+
+Outputs are cumulative, so each request keeps only its latest one; a consumer that falls behind
+skips intermediate states instead of growing a queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from kvserve.config import EngineConfig
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.metrics.stats import EngineSnapshot, StatsCollector
+from kvserve.types import RequestOutput, SamplingParams
+
+logger = logging.getLogger("kvserve.client")
+
+
+class EngineNotReadyError(RuntimeError):
+    """The model is still loading (HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped, by error or shutdown (HTTP 503)."""
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than ``max_queue`` allows (HTTP 429)."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the HTTP layer may read about the loaded engine: all immutable after loading."""
+
+    engine: LLMEngine  # only its tokenizer and validate_* methods may be used off the engine thread
+    max_model_len: int
+    vocab_size: int
+    kv_cache_tokens: int
+    kv_cache_blocks: int
+    block_size: int
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+
+class RequestStream:
+    """Async iterator over one request's cumulative outputs, ending after the finished one.
+
+    ``close()`` (synchronous, idempotent) aborts the request if it has not finished, so callers
+    put it in a ``finally``: a client that goes away frees its KV blocks within one step.
+    """
+
+    def __init__(self, client: AsyncEngineClient, request_id: str) -> None:
+        self.request_id = request_id
+        self.latest: RequestOutput | None = None
+        self.error: BaseException | None = None
+        self.event = asyncio.Event()
+        self.done = False
+        self._client = client
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.done:
+            raise StopAsyncIteration
+        await self.event.wait()
+        self.event.clear()
+        if self.error is not None:
+            self.close()
+            raise self.error
+        out = self.latest
+        if out.finished:
+            self.done = True
+            self._client._streams.pop(self.request_id, None)
+        return out
+
+    async def result(self) -> RequestOutput:
+        """The final output (closing the stream if this coroutine is cancelled)."""
+        try:
+            async for out in self:
+                last = out
+            return last
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if not self.done:
+            self.done = True
+            self._client._streams.pop(self.request_id, None)
+            self._client.abort(self.request_id)
+
+
+class AsyncEngineClient:
+    def __init__(self, config: EngineConfig, max_queue: int = 1024, stats: StatsCollector | None = None) -> None:
+        self.config = config
+        self.max_queue = max_queue
+        self.stats = stats
+        self.info: ModelInfo | None = None
+        self.error: BaseException | None = None
+        self.snapshot = EngineSnapshot()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._submitted = 0  # written by the event loop only
+        self._admitted = 0  # written by the engine thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ---- lifecycle (event loop side) ---------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; the model loads there, so the server can answer /health at once."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_ready(self) -> bool:
+        return self.info is not None
+
+    @property
+    def is_healthy(self) -> bool:
+        alive = self._thread is not None and self._thread.is_alive()
+        return self.is_ready and alive and self.error is None and not self._stopping
+
+    async def wait_ready(self, poll_s: float = 0.05) -> ModelInfo:
+        while self.info is None:
+            self._check_alive()
+            await asyncio.sleep(poll_s)
+        return self.info
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort whatever is still running and stop the thread (idempotent)."""
+        self._stopping = True
+        self._commands.put(("stop",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- requests (event loop side) ----------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued but not yet running, including adds the engine has not picked up yet."""
+        return self.snapshot.num_waiting + (self._submitted - self._admitted)
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Queue a request now; iterate the returned stream for its cumulative outputs.
+
+        Raises EngineNotReadyError, EngineDeadError or QueueFullError at once, before queueing.
+        The engine's ValueError, if it rejects the request, comes out of the stream.
+        """
+        self._check_admission()
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream
+        self._submitted += 1
+        self._commands.put(("add", request_id, prompt_token_ids, params, time.perf_counter()))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def _check_alive(self) -> None:
+        if self.error is not None or self._stopping or (self._thread is not None and not self._thread.is_alive()):
+            raise EngineDeadError(f"the engine is not running ({self.error or 'shut down'})")
+
+    def _check_admission(self) -> None:
+        self._check_alive()
+        if self.info is None:
+            raise EngineNotReadyError("the model is still loading; retry shortly")
+        if self.num_waiting >= self.max_queue:
+            raise QueueFullError(f"{self.num_waiting} requests are already waiting (--max-queue {self.max_queue}); "
+                                 "retry later")
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.latest = out
+                stream.event.set()
+
+    def _deliver_error(self, request_id: str | None, error: BaseException) -> None:
+        targets = self._streams.values() if request_id is None else [self._streams.get(request_id)]
+        for stream in targets:
+            if stream is not None:
+                stream.error = error
+                stream.event.set()
+
+    def _to_loop(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop has closed: nobody is listening any more
+            pass
+
+    # ---- the engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            engine = LLMEngine(self.config)
+            self.info = _model_info(engine)
+            self._publish(engine)
+            while self._handle_commands(engine, block=not engine.has_unfinished()):
+                if engine.has_unfinished():
+                    outputs = engine.step()
+                    self._publish(engine, outputs)
+        except BaseException as e:  # noqa: BLE001 - any failure must turn health red, not vanish
+            logger.exception("engine loop died")
+            self.error = e
+            self._to_loop(self._deliver_error, None, EngineDeadError(f"the engine loop died: {e!r}"))
+
+    def _handle_commands(self, engine: LLMEngine, block: bool) -> bool:
+        """Apply every queued command (waiting for one if ``block``); False once asked to stop."""
+        try:
+            command = self._commands.get() if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        changed = False
+        while True:
+            if command[0] == "stop":
+                self._abort_all(engine)
+                return False
+            changed |= self._apply(engine, command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+        if changed:
+            self._publish(engine)
+        return True
+
+    def _apply(self, engine: LLMEngine, command: tuple) -> bool:
+        if command[0] == "abort":
+            if engine.has_request(command[1]):
+                engine.abort_request(command[1])
+                if self.stats is not None:
+                    self.stats.on_aborted(command[1], time.perf_counter())
+                return True
+            return False
+        _, request_id, prompt_token_ids, params, arrival = command
+        self._admitted += 1
+        try:
+            engine.add_request(request_id, prompt_token_ids, params)
+        except ValueError as e:
+            self._to_loop(self._deliver_error, request_id, e)
+            return False
+        if self.stats is not None:
+            self.stats.on_added(request_id, arrival, len(prompt_token_ids))
+        return True
+
+    def _abort_all(self, engine: LLMEngine) -> None:
+        for request_id in engine.request_ids():
+            engine.abort_request(request_id)
+        self._publish(engine)
+        self._to_loop(self._deliver_error, None, EngineDeadError("the server is shutting down"))
+
+    def _publish(self, engine: LLMEngine, outputs: list[RequestOutput] | None = None) -> None:
+        core = engine.core
+        self.snapshot = EngineSnapshot(
+            num_running=len(core.scheduler.running), num_waiting=len(core.scheduler.waiting),
+            kv_cache_usage=core.kv_cache.usage, num_preemptions=core.scheduler.num_preemptions,
+            kv_cache_tokens=core.kv_info.capacity_tokens)
+        if self.stats is not None:
+            if outputs:
+                self.stats.on_outputs(outputs, time.perf_counter())
+            self.stats.on_snapshot(self.snapshot)
+        if outputs:
+            self._to_loop(self._deliver, outputs)
+
+
+def _model_info(engine: LLMEngine) -> ModelInfo:
+    core = engine.core
+    return ModelInfo(engine, core.max_model_len, core.model_config.vocab_size, core.kv_info.capacity_tokens,
+                     core.kv_info.num_blocks, core.kv_info.block_size)
