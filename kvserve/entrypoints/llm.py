@@ -14,6 +14,19 @@ from kvserve.types import RequestOutput, SamplingParams
 Prompt = str | list[int]
 
 
+def engine_config(*, model: str | None, dtype: str, block_size: int, num_kv_blocks: int | None, max_num_seqs: int,
+                  max_num_batched_tokens: int, seed: int, max_model_len: int | None, kv_cache_memory_bytes: int,
+                  device: str) -> EngineConfig:
+    """The EngineConfig for LLM(...)'s flat options; `kvserve serve` builds its engine from the same options."""
+    return EngineConfig(
+        model=model, dtype=dtype, seed=seed, device=device,
+        cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
+                          kv_cache_memory_bytes=kv_cache_memory_bytes),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                  max_model_len=max_model_len),
+    )
+
+
 class LLM:
     """Load a model once, then generate for many prompts with continuous batching.
 
@@ -25,14 +38,10 @@ class LLM:
                  num_kv_blocks: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  seed: int = 0, max_model_len: int | None = None, kv_cache_memory_bytes: int = 1024**3,
                  device: str = "cpu") -> None:
-        config = EngineConfig(
-            model=model, dtype=dtype, seed=seed, device=device,
-            cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
-                              kv_cache_memory_bytes=kv_cache_memory_bytes),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len),
-        )
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(engine_config(
+            model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, seed=seed, max_model_len=max_model_len,
+            kv_cache_memory_bytes=kv_cache_memory_bytes, device=device))
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -17,10 +17,14 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
 
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.frontend.tokenizer import load_tokenizer
 from kvserve.metrics.stats import EngineSnapshot, StatsCollector
 from kvserve.types import RequestOutput, SamplingParams
 
@@ -41,18 +45,17 @@ class QueueFullError(RuntimeError):
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """What the HTTP layer may read about the loaded engine: all immutable after loading."""
+    """What the event loop may use of the loaded engine: immutable facts, pure validators, and a
+    tokenizer instance of its own (the engine thread's is never shared)."""
 
-    engine: LLMEngine  # only its tokenizer and validate_* methods may be used off the engine thread
+    tokenizer: PreTrainedTokenizerBase
     max_model_len: int
     vocab_size: int
     kv_cache_tokens: int
     kv_cache_blocks: int
     block_size: int
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+    validate_prompt: Callable[[list[int]], None]  # raise ValueError naming the problem
+    validate_params: Callable[[SamplingParams], None]
 
 
 class RequestStream:
@@ -135,6 +138,13 @@ class AsyncEngineClient:
         alive = self._thread is not None and self._thread.is_alive()
         return self.is_ready and alive and self.error is None and not self._stopping
 
+    def ready_info(self) -> ModelInfo:
+        """The loaded model's info, or EngineDeadError / EngineNotReadyError (both a 503)."""
+        self._check_alive()
+        if self.info is None:
+            raise EngineNotReadyError("the model is still loading; retry shortly")
+        return self.info
+
     async def wait_ready(self, poll_s: float = 0.05) -> ModelInfo:
         while self.info is None:
             self._check_alive()
@@ -175,9 +185,7 @@ class AsyncEngineClient:
             raise EngineDeadError(f"the engine is not running ({self.error or 'shut down'})")
 
     def _check_admission(self) -> None:
-        self._check_alive()
-        if self.info is None:
-            raise EngineNotReadyError("the model is still loading; retry shortly")
+        self.ready_info()
         if self.num_waiting >= self.max_queue:
             raise QueueFullError(f"{self.num_waiting} requests are already waiting (--max-queue {self.max_queue}); "
                                  "retry later")
@@ -278,5 +286,6 @@ class AsyncEngineClient:
 
 def _model_info(engine: LLMEngine) -> ModelInfo:
     core = engine.core
-    return ModelInfo(engine, core.max_model_len, core.model_config.vocab_size, core.kv_info.capacity_tokens,
-                     core.kv_info.num_blocks, core.kv_info.block_size)
+    return ModelInfo(load_tokenizer(core.model_path), core.max_model_len, core.model_config.vocab_size,
+                     core.kv_info.capacity_tokens, core.kv_info.num_blocks, core.kv_info.block_size,
+                     core.validate_prompt, core.validate_params)

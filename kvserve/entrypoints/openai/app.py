@@ -1,0 +1,141 @@
+"""The FastAPI app: thin routes over the endpoint modules, one engine client per app.
+
+The app binds its port before the model loads: /health answers 503 until the engine thread is
+ready (seconds), then 200, and 503 again if the engine loop dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+import kvserve
+from kvserve.config import EngineConfig
+from kvserve.entrypoints.openai.chat import create_chat_completion
+from kvserve.entrypoints.openai.completions import create_completion
+from kvserve.entrypoints.openai.errors import APIError, error_response, install_error_handlers
+from kvserve.entrypoints.openai.models import list_models
+from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.entrypoints.openai.serving import ClientDisconnected, ServerState
+from kvserve.frontend.client import AsyncEngineClient
+from kvserve.metrics.prometheus import CONTENT_TYPE, PrometheusMetrics
+from kvserve.metrics.stats import StatsCollector
+
+logger = logging.getLogger("kvserve.server")
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """HTTP-side options (the engine's live in EngineConfig)."""
+
+    model_names: tuple[str, ...]
+    api_key: str | None = None
+    max_queue: int = 1024
+    address: str = ""  # for the ready log line only
+
+    def __post_init__(self) -> None:
+        if not self.model_names or any(not n for n in self.model_names):
+            raise ValueError(f"served model names {self.model_names!r} must be non-empty strings")
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue={self.max_queue} must be >= 1")
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.kvserve
+
+
+def _check_api_key(request: Request) -> None:
+    key = _state(request).api_key
+    if key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
+    if not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(401, "invalid API key", code="invalid_api_key")
+
+
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(_check_api_key)])
+plain = APIRouter()
+
+
+@v1.post("/completions")
+async def completions(req: CompletionRequest, request: Request) -> Response:
+    try:
+        return await create_completion(req, _state(request), request)
+    except ClientDisconnected:
+        return Response(status_code=499)
+
+
+@v1.post("/chat/completions")
+async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+    try:
+        return await create_chat_completion(req, _state(request), request)
+    except ClientDisconnected:
+        return Response(status_code=499)
+
+
+@v1.get("/models")
+async def models(request: Request) -> JSONResponse:
+    state = _state(request)
+    info = state.client.info
+    return JSONResponse(list_models(state.model_names, state.created, info.max_model_len if info else None))
+
+
+@plain.get("/health")
+async def health(request: Request) -> Response:
+    client = _state(request).client
+    if client.is_healthy:
+        return JSONResponse({"status": "ok"})
+    reason = "the model is loading" if client.error is None and not client.is_ready else "the engine is not running"
+    return error_response(503, reason)
+
+
+@plain.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+@plain.get("/version")
+async def version() -> JSONResponse:
+    return JSONResponse({"version": kvserve.__version__})
+
+
+def build_app(config: EngineConfig, options: ServerOptions) -> FastAPI:
+    """An app with its own engine client and metrics registry; the engine starts with the app."""
+    metrics = PrometheusMetrics(options.model_names[0])
+    client = AsyncEngineClient(config, options.max_queue, StatsCollector(metrics))
+    state = ServerState(client, list(options.model_names), metrics, options.api_key)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        client.start()
+        ready_log = asyncio.ensure_future(_log_when_ready(client, options))
+        yield
+        ready_log.cancel()
+        await asyncio.to_thread(client.shutdown)
+
+    app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan)
+    app.state.kvserve = state
+    install_error_handlers(app)
+    app.include_router(v1)
+    app.include_router(plain)
+    return app
+
+
+async def _log_when_ready(client: AsyncEngineClient, options: ServerOptions) -> None:
+    try:
+        info = await client.wait_ready()
+    except Exception as e:  # noqa: BLE001 - already logged by the engine thread; health says the rest
+        logger.error("the engine failed to start: %s", e)
+        return
+    logger.info("kvserve ready on %s: model %s, context %d tokens, KV cache %d tokens (%d blocks x %d)",
+                options.address, options.model_names[0], info.max_model_len, info.kv_cache_tokens,
+                info.kv_cache_blocks, info.block_size)

@@ -1,0 +1,251 @@
+"""Plumbing shared by the endpoints: server state, request -> SamplingParams, context-window checks,
+running requests while watching for the client to leave, and server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from kvserve.entrypoints.openai.errors import APIError, bad_request, error_body, from_value_error
+from kvserve.entrypoints.openai.protocol import SamplingRequest
+from kvserve.frontend.client import AsyncEngineClient, ModelInfo, RequestStream
+from kvserve.metrics.prometheus import PrometheusMetrics
+from kvserve.types import CompletionOutput, RequestOutput, SamplingParams, TokenLogprob
+
+
+@dataclass
+class ServerState:
+    """Everything a route needs; one per app, so nothing is global."""
+
+    client: AsyncEngineClient
+    model_names: list[str]
+    metrics: PrometheusMetrics
+    api_key: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    _token_text: TokenText | None = None
+
+    def token_text(self) -> TokenText:
+        if self._token_text is None:
+            self._token_text = TokenText(self.client.ready_info().tokenizer)
+        return self._token_text
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was ready."""
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def build_params(req: SamplingRequest, info: ModelInfo, max_tokens: int, logprobs: int | None = None,
+                 prompt_logprobs: int | None = None, renames: dict[str, str] | None = None) -> SamplingParams:
+    """SamplingParams from the request; any engine ValueError becomes a 400 naming the API field."""
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+            seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, n=req.n,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty, logit_bias=_logit_bias(req.logit_bias),
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        info.validate_params(params)
+    except ValueError as e:
+        raise from_value_error(e, renames) from None
+    return params
+
+
+def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys, i.e. strings."""
+    if not raw:
+        return None
+    try:
+        return {int(k): v for k, v in raw.items()}
+    except ValueError:
+        raise bad_request(f"logit_bias keys must be token ids (integers as strings); got {list(raw)[:3]}",
+                          "logit_bias") from None
+
+
+def resolve_max_tokens(requested: int | None, default: int | None, num_prompt_tokens: int, max_model_len: int,
+                       prompt_param: str, max_tokens_param: str = "max_tokens") -> int:
+    """Check prompt + max_tokens against the context window; without max_tokens, use what is left."""
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens, but the {prompt_param} "
+                          f"has {num_prompt_tokens} tokens, leaving no room for a completion. Please shorten it.",
+                          prompt_param)
+    if requested is None:
+        return room if default is None else min(default, room)
+    if num_prompt_tokens + requested > max_model_len:
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                          f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the {prompt_param}, "
+                          f"{requested} for the completion). Please reduce the length of the {prompt_param} or "
+                          f"{max_tokens_param}.", max_tokens_param)
+    return requested
+
+
+def check_prompt(info: ModelInfo, token_ids: list[int], param: str) -> None:
+    try:
+        info.validate_prompt(token_ids)
+    except ValueError as e:
+        raise bad_request(f"{param}: {e}", param) from None
+
+
+def submit_all(client: AsyncEngineClient, request_id: str, prompts: list[list[int]],
+               params: SamplingParams) -> list[RequestStream]:
+    """Queue one engine request per prompt; if any is refused (e.g. the queue is full), abort the rest."""
+    streams: list[RequestStream] = []
+    try:
+        for i, ids in enumerate(prompts):
+            streams.append(client.submit(request_id if len(prompts) == 1 else f"{request_id}-{i}", ids, params))
+    except BaseException:
+        close_all(streams)
+        raise
+    return streams
+
+
+def close_all(streams: list[RequestStream]) -> None:
+    for stream in streams:
+        stream.close()
+
+
+async def results_unless_disconnected(request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
+    """Final outputs of every stream; if the client leaves first, abort them all and raise ClientDisconnected."""
+    work = asyncio.ensure_future(asyncio.gather(*(s.result() for s in streams)))
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            return work.result()
+        raise ClientDisconnected()
+    finally:
+        watch.cancel()
+        work.cancel()
+        close_all(streams)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes its connection (the body has been read, so only that can come)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(stream index, output) pairs in arrival order from several streams; closing aborts them all."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except Exception as e:  # noqa: BLE001 - re-raised by the consumer below
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        close_all(streams)
+
+
+def sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(exc: Exception) -> str:
+    """An error that happens after a stream started cannot change the status code: send it as an event."""
+    if isinstance(exc, APIError):
+        return sse(error_body(exc.status, exc.message, exc.param, exc.code))
+    if isinstance(exc, ValueError):
+        err = from_value_error(exc)
+        return sse(error_body(400, err.message, err.param))
+    return sse(error_body(503, str(exc)))
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def output_usage(outputs: list[RequestOutput]) -> dict:
+    return usage(sum(len(o.prompt_token_ids) for o in outputs),
+                 sum(len(c.token_ids) for o in outputs for c in o.outputs))
+
+
+@dataclass
+class Delta:
+    """The part of one choice that a stream has not sent yet."""
+
+    first: bool
+    text: str
+    text_start: int  # offset of ``text`` in the choice's whole text
+    logprobs: list[TokenLogprob]
+    num_new_tokens: int
+    finish_reason: str | None  # set on the first delta that sees the choice finished, None after
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.text and not self.num_new_tokens and self.finish_reason is None
+
+
+class DeltaTracker:
+    """Remembers how much of each choice a stream has sent, so every chunk carries only what is new."""
+
+    def __init__(self) -> None:
+        self._text: dict[int, int] = {}
+        self._tokens: dict[int, int] = {}
+        self._finished: set[int] = set()
+
+    def take(self, index: int, c: CompletionOutput) -> Delta:
+        first = index not in self._text
+        text_start, token_start = self._text.get(index, 0), self._tokens.get(index, 0)
+        self._text[index], self._tokens[index] = len(c.text), len(c.token_ids)
+        finish_reason = None if index in self._finished else c.finish_reason
+        if finish_reason is not None:
+            self._finished.add(index)
+        return Delta(first, c.text[text_start:], text_start, (c.logprobs or [])[token_start:],
+                     len(c.token_ids) - token_start, finish_reason)
+
+
+def finite(logprob: float) -> float:
+    """JSON has no -inf: clamp it as vLLM does, so a response can always be encoded."""
+    return max(logprob, -9999.0)
+
+
+class TokenText:
+    """Token id -> text for logprobs, cached (the same ids come back over and over)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self.tokenizer.decode([token_id])
+        return text

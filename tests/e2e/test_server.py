@@ -1,0 +1,296 @@
+"""The OpenAI-compatible server on a tiny random model, driven by the official `openai` client.
+
+One server process per module (tiny model: starts in about two seconds). The default model's
+chat template and latency-dependent checks live in test_server_default_model.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from kvserve import LLM, SamplingParams
+from tests.conftest import make_tiny_model
+from tests.e2e.server import ServerProcess
+
+ENGINE_ARGS = ["--num-kv-blocks", "64", "--block-size", "8", "--max-model-len", "256", "--dtype", "float32"]
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}w3{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny-chat"), "LlamaForCausalLM")
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    proc = ServerProcess([str(model_dir), *ENGINE_ARGS, "--served-model-name", "tiny", "tiny-alias"])
+    yield proc
+    assert proc.stop() == 0, proc.log_text()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    return LLM(model=str(model_dir), num_kv_blocks=64, block_size=8, max_model_len=256)
+
+
+GREEDY = {"temperature": 0, "max_tokens": 24, "extra_body": {"ignore_eos": True}}
+
+
+def test_models_health_version(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny", "tiny-alias"]
+    assert httpx.get(server.url("/health")).status_code == 200
+    assert httpx.get(server.url("/version")).json()["version"]
+
+
+@pytest.mark.parametrize("prompt", ["w5 w6 w7 w8", [5, 6, 7, 8]])
+def test_completion_equals_offline_api(client, offline, prompt):
+    want = offline.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    got = client.completions.create(model="tiny", prompt=prompt, **GREEDY)
+    assert got.choices[0].text == want.text
+    assert got.choices[0].finish_reason == "length"
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(want.prompt_token_ids), 24)
+    chunks = list(client.completions.create(model="tiny-alias", prompt=prompt, stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks) == want.text
+
+
+def test_stream_chunks_and_usage(client):
+    chunks = list(client.completions.create(model="tiny", prompt="w9 w10", stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    *content, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 24
+    assert [c.choices[0].finish_reason for c in content][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in content[:-1])
+    assert all(c.usage is None for c in content)
+
+
+def test_async_client_streaming_and_not(server):
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0)
+        whole = await aclient.completions.create(model="tiny", prompt="w11 w12", **GREEDY)
+        stream = await aclient.completions.create(model="tiny", prompt="w11 w12", stream=True, **GREEDY)
+        parts = [c.choices[0].text async for c in stream]
+        chat = await aclient.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "w5 w6"}], max_completion_tokens=6,
+            temperature=0, extra_body={"ignore_eos": True})
+        chat_stream = await aclient.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "w5 w6"}], max_completion_tokens=6,
+            temperature=0, stream=True, extra_body={"ignore_eos": True})
+        chat_parts = [c.choices[0].delta.content or "" async for c in chat_stream if c.choices]
+        await aclient.close()
+        return whole, parts, chat, chat_parts
+
+    whole, parts, chat, chat_parts = asyncio.run(run())
+    assert "".join(parts) == whole.choices[0].text != ""
+    assert "".join(chat_parts) == chat.choices[0].message.content != ""
+    assert chat.usage.completion_tokens == 6
+
+
+def test_concurrent_identical_greedy_requests_agree(server, client):
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0)
+        outs = await asyncio.gather(*(aclient.completions.create(model="tiny", prompt="w20 w21 w22", **GREEDY)
+                                      for _ in range(16)))
+        await aclient.close()
+        return [o.choices[0].text for o in outs]
+
+    texts = asyncio.run(run())
+    alone = client.completions.create(model="tiny", prompt="w20 w21 w22", **GREEDY).choices[0].text
+    assert set(texts) == {alone}
+
+
+def test_many_prompts_with_n(client):
+    kwargs = {"model": "tiny", "prompt": ["w5 w6", "w7 w8 w9"], "n": 2, "temperature": 0.9, "seed": 3,
+              "max_tokens": 8}
+    first = client.completions.create(**kwargs)
+    assert [c.index for c in first.choices] == [0, 1, 2, 3]
+    assert first.usage.prompt_tokens == 5 and first.usage.completion_tokens <= 32
+    again = client.completions.create(**kwargs)
+    assert [c.text for c in again.choices] == [c.text for c in first.choices]  # seeded: reproducible
+
+
+def test_echo_with_logprobs(client, offline):
+    got = client.completions.create(model="tiny", prompt=[5, 6, 7], echo=True, logprobs=2, **{**GREEDY,
+                                                                                             "max_tokens": 3})
+    choice = choice_text = got.choices[0]
+    choice_text = choice.text
+    prompt_text = offline.get_tokenizer().decode([5, 6, 7])
+    assert choice_text.startswith(prompt_text) and len(choice_text) > len(prompt_text)
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])
+    # greedy: every generated token is its position's most likely one
+    assert all(lp.token_logprobs[i] == pytest.approx(max(lp.top_logprobs[i].values())) for i in range(3, 6))
+
+
+def test_stop_string_truncates(client):
+    words = client.completions.create(model="tiny", prompt="w30 w31", **GREEDY).choices[0].text.split()
+    stop = words[3]
+    got = client.completions.create(model="tiny", prompt="w30 w31", stop=[stop], **GREEDY).choices[0]
+    assert got.finish_reason == "stop" and stop not in got.text
+    assert got.text.split() == words[:words.index(stop)]
+    streamed = client.completions.create(model="tiny", prompt="w30 w31", stop=stop, stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in streamed) == got.text
+
+
+def test_chat_stream_is_openai_shaped(server):
+    body = {"model": "tiny", "messages": [{"role": "system", "content": "w4"}, {"role": "user", "content": "w5"}],
+            "max_tokens": 5, "temperature": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url("/v1/chat/completions"), json=body, timeout=30) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    finish = chunks[-2]["choices"][0]
+    assert finish["delta"] == {} and finish["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    contents = [c["choices"][0]["delta"]["content"] for c in chunks[1:-2]]
+    assert contents and all(contents)
+
+
+def test_chat_with_logprobs_and_history(client):
+    messages = [{"role": "system", "content": "w4"}, {"role": "user", "content": "w5 w6"},
+                {"role": "assistant", "content": "w7"}, {"role": "user", "content": [{"type": "text", "text": "w8"}]}]
+    got = client.chat.completions.create(model="tiny", messages=messages, logprobs=True, top_logprobs=3,
+                                         max_completion_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    choice = got.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    content = choice.logprobs.content
+    assert len(content) == 5 and all(len(t.top_logprobs) == 3 for t in content)
+    assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)  # greedy
+    assert [t.token for t in content] == choice.message.content.split()  # word-level tokenizer
+
+
+BAD_INPUTS = [
+    ("/v1/completions", {"prompt": "w5", "max_tokens": "x"}, 400, "max_tokens", ["max_tokens"]),
+    ("/v1/completions", {"prompt": "w5", "max_tokens": 300}, 400, "max_tokens", ["256", "301", "300"]),
+    ("/v1/completions", {"prompt": [5] * 300}, 400, "prompt", ["300", "256"]),
+    ("/v1/completions", {"prompt": "w5", "temperature": -1}, 400, "temperature", ["temperature"]),
+    ("/v1/completions", {"prompt": "w5", "top_p": 0}, 400, "top_p", ["top_p"]),
+    ("/v1/completions", {"prompt": "w5", "n": "2"}, 400, "n", ["n:"]),
+    ("/v1/completions", {"prompt": "w5", "stop": 5}, 400, "stop", ["stop"]),
+    ("/v1/completions", {"prompt": "w5", "seed": "x"}, 400, "seed", ["seed"]),
+    ("/v1/completions", {"prompt": "w5", "presence_penalty": 3}, 400, "presence_penalty", ["presence_penalty"]),
+    ("/v1/completions", {"prompt": "w5", "logprobs": 21}, 400, "logprobs", ["logprobs"]),
+    ("/v1/completions", {"prompt": "w5", "logit_bias": {"100000": 1}}, 400, "logit_bias", ["logit_bias", "512"]),
+    ("/v1/completions", {"prompt": [5, 100000]}, 400, "prompt", ["100000", "512"]),
+    ("/v1/completions", {"prompt": []}, 400, "prompt", ["prompt"]),
+    ("/v1/completions", {"prompt": ["w5", [5]]}, 400, "prompt", ["prompt"]),
+    ("/v1/completions", {}, 400, "prompt", ["prompt"]),
+    ("/v1/completions", [1, 2], 400, None, ["request body"]),
+    ("/v1/completions", {"prompt": "w5", "model": "gpt-4"}, 404, "model", ["gpt-4"]),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", ["messages"]),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "w5"}]}, 400, "messages.0.role", ["role"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "top_logprobs": 2}, 400,
+     "top_logprobs", ["top_logprobs"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "max_completion_tokens": 999}, 400,
+     "max_completion_tokens", ["256", "999"]),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param, words", BAD_INPUTS)
+def test_bad_input_is_named_and_harmless(server, path, body, status, param, words):
+    response = httpx.post(server.url(path), json=body, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert all(w in error["message"] for w in words), error["message"]
+
+
+def test_malformed_json_and_unknown_route(server, client):
+    response = httpx.post(server.url("/v1/completions"), content=b"{not json", timeout=30,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+    assert httpx.get(server.url("/v1/nothing")).json()["error"]["code"] == 404
+    with pytest.raises(openai.NotFoundError, match="no-such-model"):
+        client.completions.create(model="no-such-model", prompt="w5")
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="tiny", prompt="w5", max_tokens=10_000)
+    # still healthy and serving
+    assert httpx.get(server.url("/health")).status_code == 200
+    assert client.completions.create(model="tiny", prompt="w5", **GREEDY).usage.completion_tokens == 24
+
+
+def test_metrics_exposition(server, client):
+    client.completions.create(model="tiny", prompt="w40", **GREEDY)
+    text = httpx.get(server.url("/metrics")).text
+    for name in ("time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+                 "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket", "prompt_tokens_total",
+                 "generation_tokens_total", "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "num_preemptions_total", 'request_success_total{finished_reason="length"'):
+        assert f"kvserve:{name}" in text, name
+    assert server.metric("kvserve:generation_tokens_total") >= 24
+
+
+# ---- a second server: API key, overload, graceful shutdown -------------------------------------
+@pytest.fixture(scope="module")
+def guarded(model_dir):
+    proc = ServerProcess([str(model_dir), *ENGINE_ARGS, "--api-key", "sesame", "--max-queue", "1",
+                          "--max-num-seqs", "1"])
+    yield proc
+    proc.stop()
+
+
+def test_api_key_required(guarded):
+    for key, ok in (("wrong", False), ("sesame", True)):
+        client = openai.OpenAI(base_url=guarded.url("/v1"), api_key=key, max_retries=0)
+        if ok:
+            assert client.models.list().data
+        else:
+            with pytest.raises(openai.AuthenticationError, match="API key"):
+                client.models.list()
+    response = httpx.post(guarded.url("/v1/completions"), json={"prompt": "w5"})
+    assert response.status_code == 401 and "Authorization" in response.json()["error"]["message"]
+    assert httpx.get(guarded.url("/health")).status_code == 200  # probes need no key
+
+
+def test_overload_answers_429_at_once(guarded):
+    headers = {"Authorization": "Bearer sesame"}
+    body = {"prompt": "w5", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=guarded.base_url, headers=headers, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=body) as running:
+            next(running.iter_lines())  # the first request is running (max-num-seqs 1) ...
+            with http.stream("POST", "/v1/completions", json=body) as waiting:  # ... the second waits
+                assert waiting.status_code == 200
+                refused = http.post("/v1/completions", json=body)
+                assert refused.status_code == 429, refused.text
+                assert "max-queue" in refused.json()["error"]["message"]
+    assert guarded.wait_metric("kvserve:num_requests_running", 0) == 0
+    ok = httpx.post(guarded.url("/v1/completions"), headers=headers, json={"prompt": "w5", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_sigterm_finishes_in_flight_then_exits_zero(model_dir):
+    proc = ServerProcess([str(model_dir), *ENGINE_ARGS])
+    body = {"prompt": "w5", "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", proc.url("/v1/completions"), json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        next(lines)
+        proc.proc.terminate()
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+    assert proc.stop() == 0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(proc.url("/health"))
