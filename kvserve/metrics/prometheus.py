@@ -45,7 +45,7 @@ class PrometheusMetrics:
                                 labelnames=["model_name", "finished_reason"], registry=self.registry)
         self._model_name = model_name
         self.running = Gauge(ns + "num_requests_running", "Requests in the running batch", **label).labels(model_name)
-        self.waiting = Gauge(ns + "num_requests_waiting", "Requests waiting to be scheduled", **label).labels(model_name)
+        self.waiting = Gauge(ns + "num_requests_waiting", "Requests waiting to run", **label).labels(model_name)
         self.kv_usage = Gauge(ns + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1)",
                               **label).labels(model_name)
 
