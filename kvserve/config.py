@@ -112,6 +112,7 @@ class CacheConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 1024**3
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks shared with earlier requests
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:

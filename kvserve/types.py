@@ -165,6 +165,11 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    priority: int = 0  # lower runs first; FCFS within a priority
+    fork_of: str | None = None  # n > 1: a sibling whose prompt KV this request shares instead of recomputing
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
+    arrival_seq: int = 0  # set by the scheduler: FCFS order, kept across preemption
+    num_skips: int = 0  # times cache-aware admission let a later request go first
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # filled when params.logprobs is set
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # for prompt tokens 1.., if asked
 
@@ -203,6 +208,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when SamplingParams.logprobs is set
+    num_cached_tokens: int = 0  # prompt tokens whose KV was reused (prefix cache or fork), not recomputed
 
 
 @dataclass
@@ -229,6 +235,10 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.outputs[0].num_cached_tokens
 
     @property
     def ttft(self) -> float | None:

@@ -61,19 +61,27 @@ class EngineCore:
         self.kv_info = size_kv_cache(config, self.model_config)
         self.max_model_len = min(self.model_config.max_position, config.scheduler.max_model_len or 1 << 62,
                                  self.kv_info.capacity_tokens)
-        self.kv_cache = KVCacheManager(self.kv_info.num_blocks, self.kv_info.block_size)
+        self.kv_cache = KVCacheManager(self.kv_info.num_blocks, self.kv_info.block_size,
+                                       config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.runner = ModelRunner(model, self.model_config, get_backend(device), self.kv_info.num_blocks,
                                   self.kv_info.block_size, config.torch_dtype, device, config.seed)
         self.num_steps = 0
 
     # ---- requests -----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        """Validate and queue a request; raises ValueError naming the problem."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0, fork_of: str | None = None) -> Request:
+        """Validate and queue a request; raises ValueError naming the problem.
+
+        ``fork_of`` names a sibling with the same prompt whose KV this request shares (n > 1).
+        """
         self.validate_prompt(prompt_token_ids)
         self.validate_params(params)
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
-        request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=eos)
+        if not isinstance(priority, int):
+            raise ValueError(f"priority={priority!r} must be an integer (lower runs first)")
+        request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=eos, priority=priority,
+                          fork_of=fork_of)
         self.scheduler.add_request(request)
         return request
 

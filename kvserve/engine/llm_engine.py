@@ -51,7 +51,7 @@ class LLMEngine:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0) -> None:
         """Tokenize (if text) and queue; raises ValueError for bad input, leaving the engine untouched."""
         if request_id in self._tracked:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -66,7 +66,9 @@ class LLMEngine:
             child = params if params.n == 1 else dataclasses.replace(
                 params, n=1, seed=None if params.seed is None else params.seed + i)
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = self.core.add_request(seq_id, token_ids, child)
+            # Siblings after the first fork its prompt KV (copy-on-write) instead of recomputing it.
+            fork_of = None if i == 0 else f"{request_id}#0"
+            req = self.core.add_request(seq_id, token_ids, child, priority=priority, fork_of=fork_of)
             sequences.append(_Sequence(req, IncrementalDetokenizer(self.tokenizer, token_ids, list(params.stop))))
             self._seq_owner[seq_id] = request_id
         self._tracked[request_id] = _Tracked(request_id, text, token_ids, sequences)
@@ -120,6 +122,7 @@ class LLMEngine:
                 token_ids=list(s.request.output_token_ids),
                 finish_reason=s.request.finish_reason.value if s.request.finish_reason else None,
                 logprobs=None if s.request.sampling_params.logprobs is None else list(s.request.output_logprobs),
+                num_cached_tokens=s.request.num_cached_tokens or 0,
             )
             for i, s in enumerate(tracked.sequences)
         ]

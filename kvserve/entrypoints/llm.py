@@ -16,12 +16,12 @@ Prompt = str | list[int]
 
 def engine_config(*, model: str | None, dtype: str, block_size: int, num_kv_blocks: int | None, max_num_seqs: int,
                   max_num_batched_tokens: int, seed: int, max_model_len: int | None, kv_cache_memory_bytes: int,
-                  device: str) -> EngineConfig:
+                  device: str, enable_prefix_caching: bool = True) -> EngineConfig:
     """The EngineConfig for LLM(...)'s flat options; `kvserve serve` builds its engine from the same options."""
     return EngineConfig(
         model=model, dtype=dtype, seed=seed, device=device,
         cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
-                          kv_cache_memory_bytes=kv_cache_memory_bytes),
+                          kv_cache_memory_bytes=kv_cache_memory_bytes, enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_model_len),
     )
@@ -37,11 +37,11 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: str = "float32", block_size: int = 16,
                  num_kv_blocks: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  seed: int = 0, max_model_len: int | None = None, kv_cache_memory_bytes: int = 1024**3,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", enable_prefix_caching: bool = True) -> None:
         self.engine = LLMEngine(engine_config(
             model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, seed=seed, max_model_len=max_model_len,
-            kv_cache_memory_bytes=kv_cache_memory_bytes, device=device))
+            kv_cache_memory_bytes=kv_cache_memory_bytes, device=device, enable_prefix_caching=enable_prefix_caching))
         self._ids = itertools.count()
 
     def get_tokenizer(self):

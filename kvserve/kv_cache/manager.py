@@ -1,26 +1,51 @@
-"""Per-request block tables on top of the block pool. Pure Python, no torch.
+"""Per-request block tables on top of the block pool, with prefix caching and copy-on-write forks.
+Pure Python, no torch.
 
 The scheduler asks for room ("request R will hold N tokens after this step") and gets yes or no;
 it never sees the pool's internals. Slot ``s`` of a request's token at position ``p`` is
 ``block_table[p // block_size] * block_size + p % block_size``.
+
+Sharing rule: only full blocks are ever shared (prefix-cache hits, forks), and a request only
+writes at positions >= its ``num_computed_tokens``, which lie past its shared blocks. So a shared
+block is never written; a fork copies the one partly filled block instead of sharing it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvserve.kv_cache.block_pool import BlockPool
+from kvserve.kv_cache.hashing import BlockKey, chain_keys
+from kvserve.types import Request
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache counters in tokens, for metrics."""
+
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
 class KVCacheManager:
     """Owns the block pool and every request's block table."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        self.prefix_stats = PrefixCacheStats()
         self._tables: dict[str, list[int]] = {}
+        self._keys: dict[str, list[BlockKey]] = {}  # full-block keys of a request's tokens so far
+        self._num_registered: dict[str, int] = {}  # leading blocks of the table already in the cache
 
     @property
     def num_blocks(self) -> int:
@@ -32,39 +57,128 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use, 0..1 (the KV-cache usage metric)."""
+        """Fraction of blocks owned by requests, 0..1 (cached-but-unused blocks count as free)."""
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 
-    def can_fit(self, request_id: str, num_tokens: int) -> bool:
-        have = len(self._tables.get(request_id, ()))
-        return blocks_needed(num_tokens, self.block_size) - have <= self.pool.num_free_blocks
+    # ---- prefix cache -----------------------------------------------------------------------
+    def match_prefix(self, request: Request) -> list[int]:
+        """Cached blocks holding the longest cached prefix of the request's tokens.
 
-    def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
-        """Grow the request's table to hold ``num_tokens`` tokens. All or nothing; False if full."""
-        table = self._tables.setdefault(request_id, [])
-        missing = blocks_needed(num_tokens, self.block_size) - len(table)
-        if missing <= 0:
-            return True
-        if missing > self.pool.num_free_blocks:
-            if not table:
-                del self._tables[request_id]
+        At least one token is always left to compute, since its logits give the next token.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        limit = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for key in self._request_keys(request, limit):
+            block = self.pool.lookup(key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def uncached_keys(self, request: Request, num_hits: int) -> list[int]:
+        """Hashes of the request's prompt blocks after its ``num_hits`` cached ones: the KV it would
+        compute. Used to hold back a request whose prefix another request is computing right now."""
+        if not self.enable_prefix_caching:
+            return []
+        limit = (request.num_tokens - 1) // self.block_size
+        return [k.hash for k in self._request_keys(request, limit)[num_hits:]]
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_stats.queries += num_tokens
+        self.prefix_stats.hits += num_hit_tokens
+
+    def commit_computed(self, request: Request) -> None:
+        """Publish the request's newly completed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        table = self._tables.get(rid, [])
+        done = min(request.num_computed_tokens // self.block_size, len(table))
+        start = self._num_registered.get(rid, 0)
+        if done <= start:
+            return
+        keys = self._request_keys(request, done)
+        for i in range(start, done):
+            self.pool.register(table[i], keys[i])
+        self._num_registered[rid] = done
+
+    def _request_keys(self, request: Request, num_blocks: int) -> list[BlockKey]:
+        keys = self._keys.get(request.request_id, [])
+        if len(keys) < num_blocks:
+            tokens = request.token_slice(0, num_blocks * self.block_size)
+            keys = chain_keys(tokens, self.block_size, keys)
+            self._keys[request.request_id] = keys
+        return keys[:num_blocks]
+
+    # ---- allocation -------------------------------------------------------------------------
+    def allocate_slots(self, request_id: str, num_tokens: int, prefix: list[int] | None = None) -> bool:
+        """Grow the request's table to hold ``num_tokens`` tokens, starting from the shared
+        ``prefix`` blocks if given (only for a request without blocks). All or nothing."""
+        table = self._tables.get(request_id, [])
+        prefix = prefix or []
+        if prefix and table:
+            raise RuntimeError(f"request {request_id} already has blocks; a prefix can only start a table")
+        missing = blocks_needed(num_tokens, self.block_size) - len(table) - len(prefix)
+        reclaimed = sum(1 for b in prefix if self.pool.ref_count(b) == 0)  # cached blocks leave the free queue
+        if missing > self.pool.num_free_blocks - reclaimed:
             return False
-        table.extend(self.pool.allocate(missing))
+        table = self._tables.setdefault(request_id, table)
+        for b in prefix:
+            self.pool.touch(b)
+            table.append(b)
+        if prefix:
+            self._num_registered[request_id] = len(prefix)
+        if missing > 0:
+            table.extend(self.pool.allocate(missing))
         return True
 
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Give ``child_id`` the parent's first ``num_tokens`` tokens of KV: full blocks shared,
+        the partly filled last block copied. Returns the (src, dst) block copies to perform before
+        the child's next forward pass, or None if no block is free for the copy."""
+        parent = self._tables.get(parent_id, [])
+        full, partial = divmod(num_tokens, self.block_size)
+        if child_id in self._tables or len(parent) < full + (1 if partial else 0):
+            raise RuntimeError(f"cannot fork {parent_id} ({len(parent)} blocks) at {num_tokens} tokens")
+        if partial and self.pool.num_free_blocks < 1:
+            return None
+        table = []
+        for b in parent[:full]:
+            self.pool.touch(b)
+            table.append(b)
+        copies = []
+        if partial:
+            (dst,) = self.pool.allocate(1)
+            copies.append((parent[full], dst))
+            table.append(dst)
+        self._tables[child_id] = table
+        self._num_registered[child_id] = min(full, self._num_registered.get(parent_id, 0))
+        return copies
+
     def free(self, request_id: str) -> None:
-        """Release every block of the request (finished, aborted or preempted). Idempotent."""
+        """Release the request's blocks (finished, aborted or preempted). Cached ones stay reusable."""
         table = self._tables.pop(request_id, None)
+        self._num_registered.pop(request_id, None)
         if table:
-            # Free in reverse so that, with prefix caching later, tail blocks are evicted first.
-            self.pool.free(list(reversed(table)))
+            self.pool.free(list(reversed(table)))  # tail first: leaves are evicted before roots
+
+    def forget(self, request_id: str) -> None:
+        """Drop everything about a request that has ended (its blocks and its cached block keys)."""
+        self.free(request_id)
+        self._keys.pop(request_id, None)
 
     def check_invariants(self) -> None:
+        """Pool consistency, and every owned block's ref count equals the tables that hold it."""
         self.pool.check_invariants()
-        owned = [b for t in self._tables.values() for b in t]
-        assert len(owned) == len(set(owned)), "a block is owned by two requests"
-        assert all(self.pool.ref_count(b) == 1 for b in owned), "owned block with wrong ref count"
-        assert len(owned) + self.pool.num_free_blocks == self.pool.num_blocks, "leaked blocks"
+        holders: dict[int, int] = {}
+        for table in self._tables.values():
+            assert len(table) == len(set(table)), "a table holds a block twice"
+            for b in table:
+                holders[b] = holders.get(b, 0) + 1
+        for b in range(self.pool.num_blocks):
+            assert self.pool.ref_count(b) == holders.get(b, 0), f"block {b}: ref count != tables holding it"

@@ -9,29 +9,35 @@ blocks are freed and it is recomputed later from its tokens, so nothing is lost.
 
 from __future__ import annotations
 
-from collections import deque
+import itertools
 
 from kvserve.config import SchedulerConfig
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.scheduler.output import ScheduledRequest, SchedulerOutput
+from kvserve.scheduler.queues import WaitingQueue, order_key
 from kvserve.types import FinishReason, Request, RequestStatus
 
 
 class Scheduler:
+    CACHE_AWARE_WINDOW = 16  # waiting requests looked at when preferring cached prefixes
+    MAX_SKIPS = 8  # a request passed over this often is admitted next regardless
+
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
         self.config = config
         self.kv_cache = kv_cache
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._arrivals = itertools.count()
 
     # ---- queue management -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        request.arrival_seq = next(self._arrivals)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def finish_request(self, request_id: str, reason: FinishReason) -> Request | None:
         """Remove a request wherever it is and free its blocks. Unknown ids are ignored."""
@@ -42,7 +48,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv_cache.free(request_id)
+        self.kv_cache.forget(request_id)
         request.status, request.finish_reason = RequestStatus.FINISHED, reason
         return request
 
@@ -53,6 +59,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self.running.sort(key=order_key)  # highest priority first; preemption takes from the back
         budget = self._schedule_running(out, budget)
         if not out.preempted_ids:  # admitting while evicting would only thrash
             self._schedule_waiting(out, budget)
@@ -64,14 +71,14 @@ class Scheduler:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._make_room(request, num_new, out):
-                break  # the request preempted itself: it was the newest
+                break  # the request preempted itself: it was the last in line
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             i += 1
         return budget
 
     def _make_room(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
-        """Allocate blocks for ``request``, preempting the newest running requests if needed."""
+        """Allocate blocks for ``request``, preempting the lowest-priority, newest requests if needed."""
         while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
             victim = self.running.pop()
             self._preempt(victim)
@@ -81,24 +88,99 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
+        """Free the blocks (full ones stay in the prefix cache, so resuming is mostly a cache hit)."""
         self.kv_cache.free(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.add(request)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        # Held back this step: fork followers whose sibling has not computed the shared prompt yet,
+        # and requests whose next uncached block another request is computing (next step it is a hit).
+        deferred = []
+        in_flight = self._in_flight_blocks()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+            request = self._pick_waiting()
+            leader = self._fork_leader(request)
+            if (leader is not None and not self._can_fork_from(leader, request)) or self._waits_for(request, in_flight):
+                self.waiting.remove(request)
+                deferred.append(request)
+                continue
+            num_new = self._admit(request, leader, budget, out)
+            if num_new == 0:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+            in_flight.update(self.kv_cache.uncached_keys(request, request.num_computed_tokens // self.kv_cache.block_size))
+        for request in deferred:
+            self.waiting.add(request)
+
+    def _in_flight_blocks(self) -> set[int]:
+        """Block hashes that running requests are still prefilling."""
+        keys: set[int] = set()
+        for r in self.running:
+            if r.num_computed_tokens < r.num_prompt_tokens:
+                keys.update(self.kv_cache.uncached_keys(r, r.num_computed_tokens // self.kv_cache.block_size))
+        return keys
+
+    def _waits_for(self, request: Request, in_flight: set[int]) -> bool:
+        """True if the request's first uncached block is being computed by another request."""
+        if not in_flight or request.fork_of is not None:
+            return False
+        pending = self.kv_cache.uncached_keys(request, len(self.kv_cache.match_prefix(request)))
+        return bool(pending) and pending[0] in in_flight
+
+    def _pick_waiting(self) -> Request:
+        if not self.kv_cache.enable_prefix_caching:
+            return next(iter(self.waiting))
+        return self.waiting.pick(lambda r: len(self.kv_cache.match_prefix(r)), self.CACHE_AWARE_WINDOW,
+                                 self.MAX_SKIPS)
+
+    def _fork_leader(self, request: Request) -> Request | None:
+        """The sibling to fork from, if it is still around; otherwise the request stands alone."""
+        if request.fork_of is None:
+            return None
+        leader = self.requests.get(request.fork_of)
+        if leader is None or request.num_computed_tokens or request.output_token_ids:
+            request.fork_of = None
+            return None
+        return leader
+
+    @staticmethod
+    def _can_fork_from(leader: Request, request: Request) -> bool:
+        return leader.status == RequestStatus.RUNNING and leader.num_computed_tokens >= request.num_prompt_tokens - 1
+
+    def _admit(self, request: Request, leader: Request | None, budget: int, out: SchedulerOutput) -> int:
+        """Give a waiting request its blocks (shared where possible); returns tokens to compute, 0 if full."""
+        kv = self.kv_cache
+        if leader is not None:
+            shared = request.num_prompt_tokens - 1
+            copies = kv.fork(leader.request_id, request.request_id, shared)
+            if copies is None or not kv.allocate_slots(request.request_id, shared + 1):
+                kv.free(request.request_id)
+                return 0
+            out.block_copies.extend(copies)
+            request.fork_of = None
+            request.num_computed_tokens = shared
+            request.num_cached_tokens = shared
+            return 1
+        use_cache = kv.enable_prefix_caching and not request.sampling_params.prompt_logprobs
+        prefix = kv.match_prefix(request) if use_cache and request.num_computed_tokens == 0 else []
+        cached = len(prefix) * kv.block_size + request.num_computed_tokens
+        num_new = min(request.num_tokens - cached, budget)
+        if not kv.allocate_slots(request.request_id, cached + num_new, prefix):
+            return 0
+        request.num_computed_tokens = cached
+        if use_cache:
+            kv.record_prefix_query(request.num_tokens, len(prefix) * kv.block_size)
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = cached
+        return num_new
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -121,3 +203,4 @@ class Scheduler:
             request = self.requests.get(s.request_id)
             if request is not None:
                 request.num_computed_tokens += len(s.token_ids)
+                self.kv_cache.commit_computed(request)

@@ -42,6 +42,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run the step; sample the next token of every request whose chunk ends its known tokens."""
         batch = out.scheduled
+        if out.block_copies:
+            self._copy_blocks(out.block_copies)
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         result = RunnerOutput(prompt_logprobs=self._prompt_logprobs(batch, hidden, meta))
@@ -73,6 +75,13 @@ class ModelRunner:
             targets = s.prompt_token_ids[s.start_pos + 1:end + 1]
             result[s.request_id] = (s.start_pos + 1, scored_logprobs(logits.float(), targets, k))
         return result
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write for forks: duplicate a partly filled block before the child writes to it."""
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
 
     def _prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flat token ids, positions and attention metadata, built with vectorised ops."""

@@ -1,0 +1,58 @@
+"""The waiting queue: ordered by (priority, arrival), with a bounded look-ahead for cache-aware picks."""
+
+from __future__ import annotations
+
+import bisect
+from typing import Callable, Iterator
+
+from kvserve.types import Request
+
+
+def order_key(request: Request) -> tuple[int, int]:
+    return request.priority, request.arrival_seq
+
+
+class WaitingQueue:
+    """Requests waiting for admission; a preempted request keeps its arrival number, so it returns
+    ahead of everything that arrived after it within its priority."""
+
+    def __init__(self) -> None:
+        self._items: list[Request] = []
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._items)
+
+    def __contains__(self, request: Request) -> bool:
+        return request in self._items
+
+    def add(self, request: Request) -> None:
+        bisect.insort(self._items, request, key=order_key)
+
+    def remove(self, request: Request) -> None:
+        self._items.remove(request)
+
+    def candidates(self, window: int) -> list[Request]:
+        """The head and up to ``window - 1`` requests behind it with the head's priority."""
+        if not self._items:
+            return []
+        head = self._items[0]
+        return [r for r in self._items[:window] if r.priority == head.priority]
+
+    def pick(self, score: Callable[[Request], int], window: int, max_skips: int) -> Request:
+        """The best-scoring candidate (ties go to the earliest). A head already passed over
+        ``max_skips`` times is taken regardless, so no request starves."""
+        cands = self.candidates(window)
+        head = cands[0]
+        if head.num_skips >= max_skips or len(cands) == 1:
+            return head
+        best = max(cands, key=lambda r: (score(r), -cands.index(r)))
+        if best is not head:
+            for r in cands[:cands.index(best)]:
+                r.num_skips += 1
+        return best
