@@ -70,12 +70,21 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._make_room(request, num_new, out):
+            spec = self._fit_proposals(request, budget - num_new)
+            if not self._make_room(request, num_new + len(spec), out):
                 break  # the request preempted itself: it was the last in line
-            out.scheduled.append(self._scheduled(request, num_new))
+            out.scheduled.append(self._scheduled(request, num_new, spec))
+            num_new += len(spec)
             budget -= num_new
             i += 1
         return budget
+
+    @staticmethod
+    def _fit_proposals(request: Request, budget_left: int) -> list[int]:
+        """A decoding request's proposals, cut to the token budget (they are verified in its slot)."""
+        if not request.spec_token_ids or request.num_computed_tokens != request.num_tokens - 1:
+            return []
+        return request.spec_token_ids[:max(0, budget_left)]
 
     def _make_room(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocate blocks for ``request``, preempting the lowest-priority, newest requests if needed."""
@@ -169,7 +178,7 @@ class Scheduler:
             request.num_computed_tokens = shared
             request.num_cached_tokens = shared
             return 1
-        use_cache = kv.enable_prefix_caching and not request.sampling_params.prompt_logprobs
+        use_cache = kv.enable_prefix_caching and request.sampling_params.prompt_logprobs is None  # 0 asks too
         prefix = kv.match_prefix(request) if use_cache and request.num_computed_tokens == 0 else []
         cached = len(prefix) * kv.block_size + request.num_computed_tokens
         num_new = min(request.num_tokens - cached, budget)
@@ -182,9 +191,9 @@ class Scheduler:
             request.num_cached_tokens = cached
         return num_new
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(self, request: Request, num_new: int, spec: list[int] | None = None) -> ScheduledRequest:
         start = request.num_computed_tokens
-        tokens = request.token_slice(start, start + num_new)
+        tokens = request.token_slice(start, start + num_new) + (spec or [])
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=tokens,
@@ -195,12 +204,16 @@ class Scheduler:
             num_generated=len(request.output_token_ids),
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
+            spec_token_ids=list(spec or []),
+            spec_probs=None if not spec or request.spec_probs is None else request.spec_probs[:len(spec)],
         )
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance the counters of every request that ran."""
+    def update_after_step(self, out: SchedulerOutput, num_accepted: dict[str, int] | None = None) -> None:
+        """Advance the counters of every request that ran. A verified request keeps the KV of its last
+        token and its accepted proposals; the slots of rejected ones are simply overwritten later."""
         for s in out.scheduled:
             request = self.requests.get(s.request_id)
             if request is not None:
-                request.num_computed_tokens += len(s.token_ids)
+                rejected = len(s.spec_token_ids) - (num_accepted or {}).get(s.request_id, 0)
+                request.num_computed_tokens += len(s.token_ids) - rejected
                 self.kv_cache.commit_computed(request)

@@ -148,3 +148,13 @@ def test_prompt_logprobs_across_prefill_chunks(tiny_llama):
     assert [lp.token_id for lp in chunked[1:]] == prompt[1:]
     for a, b in zip(whole[1:], chunked[1:]):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+def test_prompt_logprobs_bypass_the_prefix_cache(tiny):
+    """A cached prefix skips its computation, so a request scoring its prompt must not reuse it,
+    even with prompt_logprobs=0 (the chosen tokens' logprobs, no alternatives)."""
+    prompt = list(range(3, 35))
+    tiny.generate([prompt], SamplingParams(max_tokens=1))  # fills the prefix cache
+    scored = tiny.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0))[0].prompt_logprobs
+    assert len(scored) == len(prompt) and scored[0] is None
+    assert [lp.token_id for lp in scored[1:]] == prompt[1:] and all(lp.top == [] for lp in scored[1:])
