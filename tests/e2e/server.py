@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -26,7 +25,7 @@ def free_port() -> int:
 class ServerProcess:
     """Starts the server and waits until /health says 200; ``stop()`` sends SIGTERM and returns the exit code."""
 
-    def __init__(self, args: list[str], startup_timeout: float = 120.0) -> None:
+    def __init__(self, args: list[str], startup_timeout: float = 300.0) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-server-", suffix=".log", delete=False)
@@ -55,13 +54,13 @@ class ServerProcess:
     def log_text(self) -> str:
         return Path(self.log.name).read_text()[-5000:]
 
-    def metric(self, name: str) -> float:
-        """One unlabelled-by-reason sample of ``name`` from /metrics."""
-        text = httpx.get(self.url("/metrics"), timeout=5).text
-        match = re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M)
-        if match is None:
-            raise AssertionError(f"{name} not in /metrics")
-        return float(match.group(1))
+    def metric(self, name: str, **labels: str) -> float | None:
+        """The sample of ``name`` (with these label values) from /metrics; None if absent."""
+        wanted = [f'{k}="{v}"' for k, v in labels.items()]
+        for line in httpx.get(self.url("/metrics"), timeout=5).text.splitlines():
+            if line.startswith(name + "{") and all(w in line for w in wanted):
+                return float(line.rsplit(" ", 1)[1])
+        return None
 
     def wait_metric(self, name: str, value: float, timeout: float = 10.0) -> float:
         deadline = time.monotonic() + timeout
