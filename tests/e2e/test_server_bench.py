@@ -1,0 +1,55 @@
+"""`kvserve bench serve` against a live kvserve server (tiny model): every request completes and
+the report's figures are consistent with the workload it sent."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import TINY_VOCAB, make_tiny_model
+from tests.e2e.server import ROOT, ServerProcess
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny-bench"), "LlamaForCausalLM")
+    proc = ServerProcess([str(model), "--num-kv-blocks", "256", "--block-size", "8"])
+    yield proc
+    assert proc.stop() == 0
+
+
+def _bench(server, *args: str) -> dict:
+    cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "bench", "serve", "--base-url", server.base_url,
+           "--vocab-size", str(TINY_VOCAB), "--json", "--no-progress", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr + done.stdout
+    return json.loads(done.stdout)
+
+
+def test_fixed_concurrency_streams_every_token(server):
+    report = _bench(server, "--num-requests", "12", "--max-concurrency", "4", "--prompt-min", "8", "--prompt-max",
+                    "24", "--output-min", "10", "--output-max", "10")
+    assert (report["completed"], report["failed"]) == (12, 0)
+    assert report["output_tokens"] == 120
+    for name in ("ttft", "itl", "e2e"):
+        p = report[name]
+        assert 0 < p["p50_ms"] <= p["p90_ms"] <= p["p99_ms"], name
+    assert report["e2e"]["p50_ms"] >= report["ttft"]["p50_ms"]
+    assert report["output_throughput"] == pytest.approx(120 / report["duration_s"])
+
+
+def test_failed_requests_are_reported_and_poisson_text_prompts_run(server):
+    # The tiny model has no chat template, so chat requests fail: the bench reports them and exits non-zero.
+    cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "bench", "serve", "--base-url", server.base_url,
+           "--endpoint", "chat", "--num-requests", "3", "--json", "--no-progress"]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 1
+    report = json.loads(done.stdout)
+    assert report["failed"] == 3 and "chat template" in report["errors"][0]
+    text = _bench(server, "--num-requests", "6", "--request-rate", "20", "--prompt-format", "text",
+                  "--output-min", "4", "--output-max", "4", "--prompt-min", "4", "--prompt-max", "8")
+    assert (text["completed"], text["output_tokens"]) == (6, 24)
+    assert text["config"]["request_rate"] == 20.0
