@@ -116,8 +116,8 @@ class AsyncEngineClient:
         self.snapshot = EngineSnapshot()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
-        self._submitted = 0  # written by the event loop only
-        self._admitted = 0  # written by the engine thread only
+        self._submitted = 0  # sequences submitted; written by the event loop only
+        self._admitted = 0  # sequences the engine has picked up; written by the engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -173,7 +173,7 @@ class AsyncEngineClient:
         self._check_admission()
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
-        self._submitted += 1
+        self._submitted += params.n  # each of the n sequences waits for a slot
         self._commands.put(("add", request_id, prompt_token_ids, params, time.perf_counter()))
         return stream
 
@@ -254,7 +254,7 @@ class AsyncEngineClient:
                 return True
             return False
         _, request_id, prompt_token_ids, params, arrival = command
-        self._admitted += 1
+        self._admitted += params.n
         try:
             engine.add_request(request_id, prompt_token_ids, params)
         except ValueError as e:

@@ -28,6 +28,7 @@ class ServerProcess:
     def __init__(self, args: list[str], startup_timeout: float = 300.0) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
+        self.startup_statuses: list[int] = []  # /health answers seen while waiting for 200
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-server-", suffix=".log", delete=False)
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
         cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", *args, "--port", str(self.port)]
@@ -40,7 +41,8 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()}")
             try:
-                if httpx.get(self.url("/health"), timeout=1.0).status_code == 200:
+                self.startup_statuses.append(httpx.get(self.url("/health"), timeout=1.0).status_code)
+                if self.startup_statuses[-1] == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -39,6 +39,10 @@ def _offline_chat(llm, messages, max_tokens: int) -> str:
     return llm.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0))[0].text
 
 
+def test_health_is_503_while_loading_then_200(server):
+    assert 503 in server.startup_statuses and server.startup_statuses[-1] == 200
+
+
 def test_chat_equals_offline_api(client, default_llm):
     got = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MESSAGES, **GREEDY)
     assert got.choices[0].message.content == _offline_chat(default_llm, MESSAGES, 16) != ""

@@ -1,0 +1,104 @@
+"""AsyncEngineClient in-process on a tiny model: outputs equal the offline API's, aborts free blocks,
+the queue bound holds, and a dead engine loop turns health red instead of hanging requests."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from starlette.testclient import TestClient
+
+from kvserve import LLM, SamplingParams
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.entrypoints.llm import engine_config
+from kvserve.entrypoints.openai.app import ServerOptions, build_app
+from kvserve.frontend.client import AsyncEngineClient, EngineDeadError, EngineNotReadyError, QueueFullError
+
+OPTIONS = {"dtype": "float32", "block_size": 8, "num_kv_blocks": 64, "max_num_seqs": 4,
+           "max_num_batched_tokens": 256, "seed": 0, "max_model_len": None, "kv_cache_memory_bytes": 1 << 30,
+           "device": "cpu"}
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def _config(model_dir, **overrides):
+    return engine_config(model=str(model_dir), **{**OPTIONS, **overrides})
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_outputs_equal_offline_and_blocks_come_back(tiny_llama):
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [5, 6, 7], [14]]
+    offline = LLM(model=str(tiny_llama), **{k: v for k, v in OPTIONS.items() if k not in ("device",)})
+    want = [o.token_ids for o in offline.generate(prompts, GREEDY)]
+
+    async def main():
+        client = AsyncEngineClient(_config(tiny_llama))
+        with pytest.raises(EngineNotReadyError):
+            client.submit("early", [5], GREEDY)
+        client.start()
+        await client.wait_ready()
+        outs = await asyncio.gather(*(client.submit(f"r{i}", p, GREEDY).result() for i, p in enumerate(prompts)))
+        stream = client.submit("long", [5, 6], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        async for out in stream:
+            if len(out.token_ids) >= 2:
+                break
+        busy = client.snapshot.kv_cache_usage
+        stream.close()
+        for _ in range(100):
+            if client.snapshot.kv_cache_usage == 0:
+                break
+            await asyncio.sleep(0.02)
+        idle = client.snapshot.kv_cache_usage
+        client.shutdown()
+        return [o.token_ids for o in outs], busy, idle
+
+    got, busy, idle = _run(main())
+    assert got == want
+    assert busy > 0 and idle == 0
+
+
+def test_queue_bound_refuses_at_once(tiny_llama):
+    async def main():
+        client = AsyncEngineClient(_config(tiny_llama, max_num_seqs=1), max_queue=2)
+        client.start()
+        await client.wait_ready()
+        long = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+        running = client.submit("running", [5, 6], long)
+        await running.__anext__()  # it runs (max_num_seqs 1) ...
+        streams = [running] + [client.submit(f"waits{i}", [5, 6], long) for i in range(2)]  # ... these wait
+        with pytest.raises(QueueFullError, match="max-queue 2"):
+            client.submit("one-too-many", [5], long)
+        for s in streams:
+            s.close()
+        client.shutdown()
+
+    _run(main())
+
+
+def test_dead_engine_loop_fails_requests_and_health(tiny_llama, monkeypatch):
+    def boom(self, *args, **kwargs):
+        raise RuntimeError("simulated device failure")
+
+    app = build_app(_config(tiny_llama), ServerOptions(("tiny",)))
+    with TestClient(app) as http:
+        client = app.state.kvserve.client
+        _wait(lambda: client.is_ready)
+        assert http.get("/health").status_code == 200
+        monkeypatch.setattr(LLMEngine, "step", boom)
+        response = http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 4})
+        assert response.status_code == 503 and "simulated device failure" in response.json()["error"]["message"]
+        assert http.get("/health").status_code == 503
+        with pytest.raises(EngineDeadError):
+            client.ready_info()
+        assert http.post("/v1/completions", json={"prompt": [5, 6]}).status_code == 503
+
+
+def _wait(predicate, timeout: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
