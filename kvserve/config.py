@@ -141,6 +141,32 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer guesses up to ``num_speculative_tokens`` tokens per request and
+    one target forward pass verifies them all. ``max_batch_size``: speculate only while at most this
+    many requests are decoding, since at large batches decode is no longer memory-bound."""
+
+    method: str | None = None  # None (off), "ngram" or "draft"
+    num_speculative_tokens: int = 4
+    model: str | None = None  # the draft model (same tokenizer), for method "draft"
+    ngram_min: int = 1
+    ngram_max: int = 4
+    max_batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        if self.method not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative_method={self.method!r} must be None, 'ngram' or 'draft'")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be in [1, 16]")
+        if self.method == "draft" and not self.model:
+            raise ValueError("speculative_method='draft' needs speculative_model (a smaller model, same tokenizer)")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"ngram window [{self.ngram_min}, {self.ngram_max}] must satisfy 1 <= min <= max")
+        if self.max_batch_size < 1:
+            raise ValueError(f"speculative max_batch_size={self.max_batch_size} must be >= 1")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs; built by `LLM` or the server from user options."""
 
@@ -150,6 +176,7 @@ class EngineConfig:
     device: str = "cpu"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20  # the most alternatives returned per token, as in OpenAI's API
 
@@ -170,6 +171,9 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
     arrival_seq: int = 0  # set by the scheduler: FCFS order, kept across preemption
     num_skips: int = 0  # times cache-aware admission let a later request go first
+    spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify in the next step
+    spec_probs: Any = None  # draft distribution [k, V] of those proposals (None: point mass)
+    spec_acceptance: float = 1.0  # moving average of the accepted share of proposals
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # filled when params.logprobs is set
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # for prompt tokens 1.., if asked
 

@@ -15,7 +15,10 @@ from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.kv_cache.sizing import kv_bytes_per_token, num_kv_blocks_for_budget
 from kvserve.model.attention.backend import get_backend
 from kvserve.model.loader import load_model, resolve_model_path
+from kvserve.scheduler.output import SchedulerOutput
 from kvserve.scheduler.scheduler import Scheduler
+from kvserve.spec_decode.controller import SpeculativeController
+from kvserve.spec_decode.proposer import make_proposer
 from kvserve.types import FinishReason, Request, RequestStatus, SamplingParams, TokenLogprob
 from kvserve.worker.model_runner import ModelRunner, RunnerOutput
 
@@ -67,6 +70,15 @@ class EngineCore:
         self.runner = ModelRunner(model, self.model_config, get_backend(device), self.kv_info.num_blocks,
                                   self.kv_info.block_size, config.torch_dtype, device, config.seed)
         self.num_steps = 0
+        self.spec = self._make_speculation(config)
+
+    def _make_speculation(self, config: EngineConfig) -> SpeculativeController | None:
+        spec = config.speculative
+        if spec.method is None:
+            return None
+        proposer = make_proposer(spec.method, min_n=spec.ngram_min, max_n=spec.ngram_max, draft_model=spec.model,
+                                 target_config=self.model_config, engine_config=config)
+        return SpeculativeController(spec, proposer, self.max_model_len)
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -104,7 +116,9 @@ class EngineCore:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab}); got {bad[:3]}")
 
     def abort_request(self, request_id: str) -> Request | None:
-        return self.scheduler.finish_request(request_id, FinishReason.ABORT)
+        request = self.scheduler.requests.get(request_id)
+        self.finish(request_id, FinishReason.ABORT)
+        return request
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -120,29 +134,50 @@ class EngineCore:
             if req.metrics.first_scheduled is None:
                 req.metrics.first_scheduled = now
         sampled = self.runner.execute(out)
-        self.scheduler.update_after_step(out)
         self.num_steps += 1
         self._record_prompt_logprobs(sampled)
-        return [self._append_token(self.scheduler.requests[rid], tok, sampled.logprobs.get(rid))
-                for rid, tok in sampled.token_ids.items()]
+        updates = [self._append_tokens(self.scheduler.requests[rid], [tok], sampled.logprobs.get(rid))
+                   for rid, tok in sampled.token_ids.items()]
+        if self.spec is not None:
+            updates += self._append_verified(out, sampled.spec_token_ids)
+        # Counters advance after the new tokens are known: the prefix cache hashes full blocks by content.
+        accepted = {rid: len(tokens) - 1 for rid, tokens in sampled.spec_token_ids.items()}
+        self.scheduler.update_after_step(out, accepted)
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
+        return updates
+
+    def _append_verified(self, out: SchedulerOutput, emitted: dict[str, list[int]]) -> list[StepUpdate]:
+        updates = []
+        for s in out.scheduled:
+            if s.request_id in emitted:
+                request = self.scheduler.requests[s.request_id]
+                self.spec.record(request, len(s.spec_token_ids), len(emitted[s.request_id]))
+                updates.append(self._append_tokens(request, emitted[s.request_id]))
+        return updates
 
     def _record_prompt_logprobs(self, sampled: RunnerOutput) -> None:
         # Slice assignment: a chunk recomputed after preemption overwrites its own positions.
         for rid, (first, scored) in sampled.prompt_logprobs.items():
             self.scheduler.requests[rid].prompt_logprobs[first - 1:first - 1 + len(scored)] = scored
 
-    def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None = None) -> StepUpdate:
-        request.output_token_ids.append(token)
+    def _append_tokens(self, request: Request, tokens: list[int], logprob: TokenLogprob | None = None) -> StepUpdate:
+        """Append new tokens one by one, stopping at the first that ends the request."""
         if logprob is not None:
             request.output_logprobs.append(logprob)
         now = time.perf_counter()
         if request.metrics.first_token is None:
             request.metrics.first_token = now
         request.metrics.last_token = now
-        reason = self._stop_reason(request, token)
-        if reason is not None:
-            self.finish(request.request_id, reason)
-        return StepUpdate(request, [token], reason is not None)
+        appended = []
+        for token in tokens:
+            request.output_token_ids.append(token)
+            appended.append(token)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self.finish(request.request_id, reason)
+                return StepUpdate(request, appended, True)
+        return StepUpdate(request, appended, False)
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.sampling_params
@@ -153,6 +188,8 @@ class EngineCore:
         return None
 
     def finish(self, request_id: str, reason: FinishReason) -> None:
+        if self.spec is not None:
+            self.spec.forget(request_id)
         request = self.scheduler.finish_request(request_id, reason)
         if request is not None:
             request.metrics.finished = time.perf_counter()

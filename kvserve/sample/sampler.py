@@ -62,24 +62,11 @@ class Sampler:
         greedy = logits.argmax(dim=-1)
         if batch.all_greedy:
             return greedy.cpu()
-        probs = self._filtered_probs(logits, batch.params)
+        probs = filtered_probs(logits, batch.params)
         noise = self._noise(probs.shape, batch).to(probs.device)
         sampled = (probs / noise).argmax(dim=-1)
         is_greedy = torch.tensor([p.greedy for p in batch.params], device=logits.device)
         return torch.where(is_greedy, greedy, sampled).cpu()
-
-    def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """Temperature, then top-k, top-p and min-p masks, then softmax."""
-        device = logits.device
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
-        logits = logits / temps[:, None]
-        if any(p.top_k > 0 for p in params) or any(p.top_p < 1 for p in params):
-            logits = _top_k_top_p(logits, params)
-        probs = logits.softmax(dim=-1)
-        if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=device)
-            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-        return probs
 
     def _noise(self, shape: torch.Size, batch: SamplingBatch) -> torch.Tensor:
         noise = torch.empty(shape).exponential_(generator=self.generator)
@@ -88,6 +75,20 @@ class Sampler:
                 gen = torch.Generator().manual_seed((p.seed * _SEED_STRIDE + n) % (1 << 63))  # any int seed is valid
                 noise[row].exponential_(generator=gen)
         return noise
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks, then softmax."""
+    device = logits.device
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+    logits = logits / temps[:, None]
+    if any(p.top_k > 0 for p in params) or any(p.top_p < 1 for p in params):
+        logits = _top_k_top_p(logits, params)
+    probs = logits.softmax(dim=-1)
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device)
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,

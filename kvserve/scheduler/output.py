@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.types import SamplingParams
 
@@ -22,6 +23,8 @@ class ScheduledRequest:
     sample: bool
     sampling_params: SamplingParams
     num_generated: int = 0  # tokens generated so far, e.g. for per-request RNG streams
+    spec_token_ids: list[int] = field(default_factory=list)  # proposals at the end of token_ids, to verify
+    spec_probs: Any = None  # their draft distribution, or None for point-mass (n-gram) guesses
     # The request's token history, for penalties and prompt logprobs (shared references, not copies).
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)

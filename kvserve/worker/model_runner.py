@@ -14,6 +14,7 @@ from kvserve.config import ModelConfig
 from kvserve.model.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.sample.sampler import Sampler, SamplingBatch, scored_logprobs
 from kvserve.scheduler.output import ScheduledRequest, SchedulerOutput
+from kvserve.spec_decode.verify import verify
 from kvserve.types import TokenLogprob
 
 
@@ -25,6 +26,8 @@ class RunnerOutput:
     token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+    # Speculative requests: the tokens verification emitted (accepted proposals + one from the target).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -47,7 +50,10 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         result = RunnerOutput(prompt_logprobs=self._prompt_logprobs(batch, hidden, meta))
-        rows = [i for i, s in enumerate(batch) if s.sample]
+        rows = [i for i, s in enumerate(batch) if s.sample and not s.spec_token_ids]
+        spec_rows = [i for i, s in enumerate(batch) if s.spec_token_ids]
+        if spec_rows:
+            result.spec_token_ids = self._verify(batch, spec_rows, hidden, meta)
         if not rows:
             return result
         last = torch.tensor([meta.query_start[i + 1] - 1 for i in rows], device=self.device)
@@ -60,6 +66,28 @@ class ModelRunner:
         if sampled.logprobs is not None:
             result.logprobs = {s.request_id: lp for s, lp in zip(chosen, sampled.logprobs) if lp is not None}
         return result
+
+    @torch.inference_mode()
+    def last_logits(self, batch: list[ScheduledRequest]) -> torch.Tensor:
+        """Forward a batch and return the logits at each sequence's last position [B, V] (draft models)."""
+        input_ids, positions, meta = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        last = torch.tensor([meta.query_start[i + 1] - 1 for i in range(len(batch))], device=self.device)
+        return self.model.compute_logits(hidden[last])
+
+    def _verify(self, batch: list[ScheduledRequest], rows: list[int], hidden: torch.Tensor,
+                meta: AttentionMetadata) -> dict[str, list[int]]:
+        """Score each request's k proposals plus one position in one lm_head call, then accept/reject."""
+        spans = [(meta.query_start[i + 1] - len(batch[i].spec_token_ids) - 1, meta.query_start[i + 1]) for i in rows]
+        index = torch.tensor([p for a, b in spans for p in range(a, b)], device=self.device)
+        logits = self.model.compute_logits(hidden[index])
+        out, offset = {}, 0
+        for i, (a, b) in zip(rows, spans):
+            s = batch[i]
+            out[s.request_id] = verify(logits[offset:offset + b - a], s.spec_token_ids, s.sampling_params,
+                                       s.num_generated, self.sampler.generator, s.spec_probs)
+            offset += b - a
+        return out
 
     def _prompt_logprobs(self, batch: list[ScheduledRequest], hidden: torch.Tensor,
                          meta: AttentionMetadata) -> dict[str, tuple[int, list[TokenLogprob]]]:

@@ -1,0 +1,81 @@
+"""When and how much to speculate, and the acceptance statistics.
+
+Speculation pays while decode is memory-bound (small batches) and while guesses are accepted.
+So proposals are made only while at most ``max_batch_size`` requests are decoding, and each
+request's k follows a moving average of its acceptance: a request whose guesses keep failing
+proposes less, down to a single probing token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.config import SpeculativeConfig
+from kvserve.spec_decode.proposer import Proposer
+from kvserve.types import Request
+
+_EMA = 0.3  # weight of the latest step in the acceptance average
+
+
+@dataclass
+class SpecStats:
+    proposed: int = 0
+    accepted: int = 0
+    verified_requests: int = 0  # request-steps that verified proposals
+    emitted: int = 0  # tokens those request-steps produced (accepted + the target's own)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_tokens_per_step(self) -> float:
+        return self.emitted / self.verified_requests if self.verified_requests else 0.0
+
+
+class SpeculativeController:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int) -> None:
+        self.config, self.proposer, self.max_model_len = config, proposer, max_model_len
+        self.stats = SpecStats()
+
+    def propose(self, running: list[Request]) -> None:
+        """Set ``spec_token_ids`` for the next step on every eligible decoding request."""
+        decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1]
+        for r in running:
+            r.spec_token_ids, r.spec_probs = [], None
+        if not decoding or len(decoding) > self.config.max_batch_size:
+            return
+        eligible = [r for r in decoding if self._eligible(r)]
+        proposals = self.proposer.propose(eligible, self.config.num_speculative_tokens) if eligible else {}
+        for r in eligible:
+            p = proposals.get(r.request_id)
+            if p is None:
+                continue
+            k = min(self._k_for(r), len(p.token_ids))
+            r.spec_token_ids = p.token_ids[:k]
+            r.spec_probs = None if p.probs is None else p.probs[:k]
+
+    def _eligible(self, r: Request) -> bool:
+        params = r.sampling_params
+        # Penalties and logprobs depend on every earlier token; keep those requests on the plain path.
+        return not params.needs_penalties and params.logprobs is None and self._room(r) > 0
+
+    def _room(self, r: Request) -> int:
+        """Proposals that still fit before max_tokens and the context window."""
+        left = r.sampling_params.max_tokens - len(r.output_token_ids) - 1
+        return min(left, self.max_model_len - r.num_tokens)
+
+    def _k_for(self, r: Request) -> int:
+        k = max(1, round(self.config.num_speculative_tokens * r.spec_acceptance))
+        return min(k, self._room(r))
+
+    def record(self, r: Request, num_proposed: int, num_emitted: int) -> None:
+        accepted = num_emitted - 1
+        self.stats.proposed += num_proposed
+        self.stats.accepted += accepted
+        self.stats.verified_requests += 1
+        self.stats.emitted += num_emitted
+        r.spec_acceptance = (1 - _EMA) * r.spec_acceptance + _EMA * accepted / num_proposed
+
+    def forget(self, request_id: str) -> None:
+        self.proposer.forget(request_id)

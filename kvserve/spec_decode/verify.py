@@ -1,0 +1,67 @@
+"""Verifying proposals against the target model: one forward pass scored k + 1 positions.
+
+Greedy: accept proposed tokens while they equal the target's argmax; then emit the argmax at the
+first mismatch (or the bonus token after the last proposal). Output is identical to plain greedy.
+
+Sampling (the standard speculative-sampling rule): with target probabilities p and draft
+probabilities q at a position, accept the proposed x with probability min(1, p(x) / q(x)); on
+rejection draw from the residual max(p - q, 0), renormalised, and stop. An n-gram guess is a
+point-mass draft (q(x) = 1), so it is accepted with probability p(x) and the residual is p with x
+removed. Either way the emitted tokens are distributed exactly as the target's own samples.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.sample.sampler import filtered_probs
+from kvserve.types import SamplingParams
+
+_SEED_STRIDE = 1_000_003
+
+
+def _generator(params: SamplingParams, step: int, fallback: torch.Generator) -> torch.Generator:
+    """Per-request stream keyed by (seed, output position), as the sampler does; shared otherwise."""
+    if params.seed is None:
+        return fallback
+    return torch.Generator().manual_seed(params.seed * _SEED_STRIDE + step + 7919)
+
+
+def _draw(probs: torch.Tensor, gen: torch.Generator) -> int:
+    noise = torch.empty(probs.shape).exponential_(generator=gen)
+    return int((probs.cpu() / noise).argmax())
+
+
+def verify(logits: torch.Tensor, proposed: list[int], params: SamplingParams, num_generated: int,
+           fallback: torch.Generator, draft_probs: torch.Tensor | None = None) -> list[int]:
+    """logits [k + 1, V] for positions that predict proposed[0..k-1] and one more.
+
+    Returns the emitted tokens: the accepted proposals plus one token from the target (1..k+1).
+    """
+    if params.greedy:
+        target = logits.argmax(dim=-1).tolist()
+        out = []
+        for guess, best in zip(proposed, target):
+            if guess != best:
+                break
+            out.append(guess)
+        return out + [target[len(out)]]
+    probs = filtered_probs(logits.float(), [params] * logits.shape[0]).cpu()
+    out = []
+    for j, guess in enumerate(proposed):
+        gen = _generator(params, num_generated + j, fallback)
+        q = 1.0 if draft_probs is None else float(draft_probs[j, guess])
+        p = float(probs[j, guess])
+        if torch.rand((), generator=gen).item() * q < p:  # u < p / q, without dividing by a tiny q
+            out.append(guess)
+            continue
+        residual = probs[j].clone()
+        if draft_probs is None:
+            residual[guess] = 0.0
+        else:
+            residual = (residual - draft_probs[j].float().cpu()).clamp_min(0.0)
+        if residual.sum() <= 0:  # p == q exactly: any token from p is correct
+            residual = probs[j]
+        return out + [_draw(residual, gen)]
+    gen = _generator(params, num_generated + len(proposed), fallback)
+    return out + [_draw(probs[len(proposed)], gen)]

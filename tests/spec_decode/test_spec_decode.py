@@ -1,0 +1,155 @@
+"""Speculative decoding changes speed, never outputs: greedy token-identical, sampling same distribution."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import SpeculativeConfig
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.entrypoints.llm import engine_config
+from kvserve.spec_decode.ngram import ngram_lookup
+from tests.conftest import TINY_VOCAB, assert_no_leak, make_tiny_model
+
+
+def _llm(path, spec: SpeculativeConfig | None = None, **kw) -> LLM:
+    opts = dict(model=str(path), dtype="float32", block_size=4, num_kv_blocks=512, max_num_seqs=64,
+                max_num_batched_tokens=2048, seed=0, max_model_len=None, kv_cache_memory_bytes=1 << 26, device="cpu")
+    opts.update(kw)
+    cfg = engine_config(**opts)
+    if spec is not None:
+        cfg = dataclasses.replace(cfg, speculative=spec)
+    llm = LLM.__new__(LLM)
+    llm.engine, llm._ids = LLMEngine(cfg), itertools.count()
+    return llm
+
+
+def _truncated(model_dir, out):
+    """A copy of the model with only its first layer: same vocabulary, agrees with it only sometimes."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    for f in model_dir.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            shutil.copy(f, out / f.name)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    (out / "config.json").write_text(json.dumps(config))
+    weights = load_file(str(model_dir / "model.safetensors"))
+    save_file({k: v for k, v in weights.items() if not k.startswith("model.layers.1.")}, str(out / "model.safetensors"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tiny_llama, tmp_path_factory):
+    return _truncated(tiny_llama, tmp_path_factory.mktemp("tiny-draft"))
+
+
+@pytest.fixture(scope="module")
+def peaky(tmp_path_factory):
+    """A random model with large weights: sharp distributions, so sampled tokens often repeat."""
+    target = make_tiny_model(tmp_path_factory.mktemp("peaky"), "LlamaForCausalLM", initializer_range=0.8)
+    return target, _truncated(target, tmp_path_factory.mktemp("peaky-draft"))
+
+
+def _repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a motif, so n-gram lookup has something to propose; mixed lengths."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        motif = [rng.randrange(3, TINY_VOCAB) for _ in range(rng.randint(2, 6))]
+        out.append(motif * rng.randint(2, 12) + [rng.randrange(3, TINY_VOCAB)])
+    return out
+
+
+def test_ngram_lookup():
+    assert ngram_lookup([1, 2, 3, 9, 1, 2, 3], 1, 3, 4) == [9, 1, 2, 3]
+    assert ngram_lookup([1, 2, 3, 4], 1, 3, 2) == []
+    assert ngram_lookup([5, 1, 7, 5, 2, 8, 5], 1, 2, 2) == [2, 8]  # latest occurrence wins
+
+
+@pytest.mark.parametrize("method, k", [("ngram", 1), ("ngram", 3), ("ngram", 6), ("draft", 2), ("draft", 4)])
+def test_greedy_identical(tiny_llama, tiny_draft, method, k):
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=k, max_batch_size=64,
+                             model=str(tiny_draft) if method == "draft" else None)
+    prompts = _repetitive_prompts(10)
+    params = [SamplingParams(max_tokens=random.Random(i).randint(4, 30), temperature=0, ignore_eos=True)
+              for i in range(len(prompts))]
+    plain = [o.token_ids for o in _llm(tiny_llama).generate(prompts, params)]
+    fast = _llm(tiny_llama, spec)
+    assert [o.token_ids for o in fast.generate(prompts, params)] == plain
+    stats = fast.engine.core.spec.stats
+    assert stats.proposed > 0 and stats.accepted > 0
+    assert_no_leak(fast)
+
+
+def test_greedy_identical_under_preemption(tiny_qwen2):
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, max_batch_size=64)
+    prompts = _repetitive_prompts(8, seed=3)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = [o.token_ids for o in _llm(tiny_qwen2).generate(prompts, params)]
+    small = _llm(tiny_qwen2, spec, num_kv_blocks=30, max_num_batched_tokens=48)
+    assert [o.token_ids for o in small.generate(prompts, params)] == plain
+    assert small.engine.core.scheduler.num_preemptions > 0
+    assert_no_leak(small)
+
+
+def _chi_square_p(a: Counter, b: Counter) -> float:
+    """Two-sample chi-square test of homogeneity; rare tokens pooled so expected counts are >= 5."""
+    total_a, total_b = sum(a.values()), sum(b.values())
+    keys = sorted(set(a) | set(b), key=lambda t: -(a[t] + b[t]))
+    rows, other = [], [0, 0]
+    for t in keys:
+        if a[t] + b[t] >= 10:
+            rows.append([a[t], b[t]])
+        else:
+            other[0] += a[t]
+            other[1] += b[t]
+    if sum(other):
+        rows.append(other)
+    stat = 0.0
+    for ca, cb in rows:
+        col = ca + cb
+        for count, total in ((ca, total_a), (cb, total_b)):
+            expected = col * total / (total_a + total_b)
+            stat += (count - expected) ** 2 / expected
+    dof = max(1, len(rows) - 1)
+    return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_sampling_distribution_unchanged(peaky, method):
+    target, draft = peaky
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=3, max_batch_size=4096,
+                             model=str(draft) if method == "draft" else None)
+    # The prompt starts with [its last token + the model's own greedy continuation of it], so after a
+    # likely first sample the n-gram lookup finds a guess that is often, but not always, accepted.
+    plain_llm = _llm(target, max_num_seqs=512, num_kv_blocks=4096)
+    greedy = lambda p, n=4: plain_llm.generate(  # noqa: E731
+        [p], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0].token_ids
+    body = [7, 8, 9, 10, 11, 12] + greedy([7, 8, 9, 10, 11, 12], 20)
+    likely = greedy(body)
+    for _ in range(8):  # iterate to a fixed point: the prefix itself changes the continuation
+        prompt = [body[-1]] + likely + body
+        likely, previous = greedy(prompt), likely
+        if likely == previous:
+            break
+    n = 1200
+    params = [SamplingParams(max_tokens=4, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
+    plain = plain_llm.generate([prompt] * n, params, use_tqdm=False)
+    fast_llm = _llm(target, spec, max_num_seqs=512, num_kv_blocks=4096)
+    fast = fast_llm.generate([prompt] * n, params, use_tqdm=False)
+    stats = fast_llm.engine.core.spec.stats
+    assert stats.proposed > n // 2 and 0.05 < stats.acceptance_rate < 0.95  # both accept and reject paths ran
+    for pos in (0, 1, 2, 3):  # tokens decided by verification, not by the first plain sample
+        p = _chi_square_p(Counter(o.token_ids[pos] for o in plain), Counter(o.token_ids[pos] for o in fast))
+        assert p > 0.01, f"position {pos}: chi-square p = {p:.4f}"
