@@ -19,13 +19,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn off automatic prefix caching")
+    p.add_argument("--speculative-method", choices=["ngram", "draft"], default=None)
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--speculative-model", default=None, help="draft model (same tokenizer) for --speculative-method draft")
+    p.add_argument("--speculative-ngram-min", type=int, default=1)
+    p.add_argument("--speculative-ngram-max", type=int, default=4)
+    p.add_argument("--speculative-max-batch-size", type=int, default=8,
+                   help="speculate only while at most this many requests are decoding")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads (default: $KVSERVE_NUM_THREADS, else available cores - 1; see worker/threads.py)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory_bytes=int(args.kv_cache_memory * 1024**3), max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                seed=args.seed, device=args.device, enable_prefix_caching=not args.no_prefix_caching)
+                seed=args.seed, device=args.device, enable_prefix_caching=not args.no_prefix_caching,
+                speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+                speculative_model=args.speculative_model, speculative_ngram_min=args.speculative_ngram_min,
+                speculative_ngram_max=args.speculative_ngram_max,
+                speculative_max_batch_size=args.speculative_max_batch_size)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -76,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "num_threads", None) is not None:
+            from kvserve.worker.threads import configure_threads
+
+            configure_threads(args.num_threads)
         return args.func(args)
     except ValueError as e:
         print(f"kvserve: error: {e}", file=sys.stderr)

@@ -7,41 +7,63 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.types import RequestOutput, SamplingParams
 
 Prompt = str | list[int]
 
 
-def engine_config(*, model: str | None, dtype: str, block_size: int, num_kv_blocks: int | None, max_num_seqs: int,
-                  max_num_batched_tokens: int, seed: int, max_model_len: int | None, kv_cache_memory_bytes: int,
-                  device: str, enable_prefix_caching: bool = True) -> EngineConfig:
-    """The EngineConfig for LLM(...)'s flat options; `kvserve serve` builds its engine from the same options."""
-    return EngineConfig(
-        model=model, dtype=dtype, seed=seed, device=device,
-        cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
-                          kv_cache_memory_bytes=kv_cache_memory_bytes, enable_prefix_caching=enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                  max_model_len=max_model_len),
-    )
+# Flat option name -> (config section, field). LLM(...) and the CLI take these flat names, like vLLM.
+_OPTIONS = {
+    "block_size": ("cache", "block_size"),
+    "num_kv_blocks": ("cache", "num_kv_blocks"),
+    "kv_cache_memory_bytes": ("cache", "kv_cache_memory_bytes"),
+    "enable_prefix_caching": ("cache", "enable_prefix_caching"),
+    "max_num_seqs": ("scheduler", "max_num_seqs"),
+    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+    "max_model_len": ("scheduler", "max_model_len"),
+    "speculative_method": ("speculative", "method"),
+    "num_speculative_tokens": ("speculative", "num_speculative_tokens"),
+    "speculative_model": ("speculative", "model"),
+    "speculative_ngram_min": ("speculative", "ngram_min"),
+    "speculative_ngram_max": ("speculative", "ngram_max"),
+    "speculative_max_batch_size": ("speculative", "max_batch_size"),
+}
+_SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "speculative": SpeculativeConfig}
+
+
+def engine_config(model: str | None = None, dtype: str = "float32", seed: int = 0, device: str = "cpu",
+                  **options) -> EngineConfig:
+    """The EngineConfig for flat options (see _OPTIONS); `kvserve serve` builds its engine the same way.
+
+    Unknown option names raise ValueError listing the known ones; each value is checked by its section.
+    """
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(_OPTIONS)}")
+    fields: dict[str, dict] = {name: {} for name in _SECTIONS}
+    for name, value in options.items():
+        section, field_name = _OPTIONS[name]
+        fields[section][field_name] = value
+    sections = {name: cls(**fields[name]) for name, cls in _SECTIONS.items()}
+    return EngineConfig(model=model, dtype=dtype, seed=seed, device=device, **sections)
 
 
 class LLM:
     """Load a model once, then generate for many prompts with continuous batching.
 
     ``model`` is a Hugging Face folder, a .gguf file, or None for the bundled SmolLM2-135M-Instruct.
-    ``num_kv_blocks`` None sizes the KV cache from ``kv_cache_memory_bytes``.
+    Options (defaults in kvserve/config.py): block_size=16, num_kv_blocks=None (size the pool from
+    kv_cache_memory_bytes=1 GiB), enable_prefix_caching=True, max_num_seqs=64,
+    max_num_batched_tokens=2048, max_model_len=None, speculative_method=None ("ngram" | "draft"),
+    num_speculative_tokens=4, speculative_model, speculative_ngram_min=1, speculative_ngram_max=4,
+    speculative_max_batch_size=8.
     """
 
-    def __init__(self, model: str | None = None, dtype: str = "float32", block_size: int = 16,
-                 num_kv_blocks: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 seed: int = 0, max_model_len: int | None = None, kv_cache_memory_bytes: int = 1024**3,
-                 device: str = "cpu", enable_prefix_caching: bool = True) -> None:
-        self.engine = LLMEngine(engine_config(
-            model=model, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, seed=seed, max_model_len=max_model_len,
-            kv_cache_memory_bytes=kv_cache_memory_bytes, device=device, enable_prefix_caching=enable_prefix_caching))
+    def __init__(self, model: str | None = None, dtype: str = "float32", seed: int = 0, device: str = "cpu",
+                 **options) -> None:
+        self.engine = LLMEngine(engine_config(model, dtype, seed, device, **options))
         self._ids = itertools.count()
 
     def get_tokenizer(self):

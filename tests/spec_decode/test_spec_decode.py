@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import random
 from collections import Counter
 
@@ -12,22 +10,16 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import SpeculativeConfig
-from kvserve.engine.llm_engine import LLMEngine
-from kvserve.entrypoints.llm import engine_config
 from kvserve.spec_decode.ngram import ngram_lookup
 from tests.conftest import TINY_VOCAB, assert_no_leak, make_tiny_model
 
 
 def _llm(path, spec: SpeculativeConfig | None = None, **kw) -> LLM:
-    opts = dict(model=str(path), dtype="float32", block_size=4, num_kv_blocks=512, max_num_seqs=64,
-                max_num_batched_tokens=2048, seed=0, max_model_len=None, kv_cache_memory_bytes=1 << 26, device="cpu")
-    opts.update(kw)
-    cfg = engine_config(**opts)
+    opts = {"model": str(path), "block_size": 4, "num_kv_blocks": 512, **kw}
     if spec is not None:
-        cfg = dataclasses.replace(cfg, speculative=spec)
-    llm = LLM.__new__(LLM)
-    llm.engine, llm._ids = LLMEngine(cfg), itertools.count()
-    return llm
+        opts.update(speculative_method=spec.method, num_speculative_tokens=spec.num_speculative_tokens,
+                    speculative_model=spec.model, speculative_max_batch_size=spec.max_batch_size)
+    return LLM(**opts)
 
 
 def _truncated(model_dir, out):
