@@ -14,6 +14,7 @@ from kvserve.engine.core import EngineCore
 from kvserve.frontend.detokenizer import IncrementalDetokenizer
 from kvserve.frontend.tokenizer import load_tokenizer
 from kvserve.types import CompletionOutput, FinishReason, Request, RequestOutput, SamplingParams
+from kvserve.worker.threads import configure_threads
 
 
 @dataclass
@@ -37,6 +38,7 @@ class _Tracked:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.threads = configure_threads()  # torch threads for this process: see worker/threads.py
         self.core = EngineCore(config)
         self.tokenizer = load_tokenizer(self.core.model_path)
         self._tracked: dict[str, _Tracked] = {}

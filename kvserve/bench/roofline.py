@@ -1,0 +1,186 @@
+"""`kvserve bench roofline`: how close the engine runs to what this machine's memory and matmuls allow.
+
+Measures the machine (``planner.hardware.measure_local``: a large copy, a matmul in the dtype, with
+every available core), prices the model with the planner's arithmetic (``planner.roofline``), then
+runs the engine twice over seeded token-id prompts, greedy, EOS ignored:
+
+* single-stream decode: one request; decode tokens/s (after the first token) against the
+  memory bound ``bandwidth / bytes per decode step`` (all weights + that request's KV);
+* batched: ``--batch-sizes`` requests at once; output tokens/s, and the FLOP/s achieved (prefill
+  and decode FLOPs of the whole run over its wall time) against the matmul peak.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+
+from kvserve.planner.capacity import Setup, kv_bytes_per_user
+from kvserve.planner.roofline import decode_step, prefill, weight_bytes_read
+
+
+def bytes_per_decode_step(setup: Setup, users: int, context: int) -> float:
+    """Bytes one decode step reads: the weights it touches once, plus each user's KV at ``context``."""
+    return weight_bytes_read(setup, users) + users * kv_bytes_per_user(setup, context)
+
+
+def flops_per_token(setup: Setup, context: int) -> float:
+    """FLOPs to decode one token at ``context``: 2 per weight it multiplies, plus attention over the context."""
+    return decode_step(setup, 1, context).flops
+
+
+def request_flops(setup: Setup, prompt_len: int, output_len: int) -> float:
+    """FLOPs of one request: the prefill (which yields the first token), then ``output_len - 1`` decodes."""
+    decodes = sum(flops_per_token(setup, prompt_len + i) for i in range(1, output_len))
+    return prefill(setup, prompt_len).flops + decodes
+
+
+def memory_bound_tokens_per_s(setup: Setup, context: int) -> float:
+    """Single-stream decode ceiling: one token per full read of the weights and the KV."""
+    return setup.hardware.bandwidth / bytes_per_decode_step(setup, 1, context)
+
+
+def decode_bound_tokens_per_s(setup: Setup, users: int, context: int) -> float:
+    """Batched decode ceiling: ``users`` tokens per roofline step time (memory or compute, whichever is slower)."""
+    return users / decode_step(setup, users, context).seconds
+
+
+@dataclass(frozen=True)
+class SingleStream:
+    prompt_len: int
+    output_len: int
+    decode_tokens_per_s: float
+    bytes_per_step: float
+    bound_tokens_per_s: float
+
+    @property
+    def fraction(self) -> float:
+        return self.decode_tokens_per_s / self.bound_tokens_per_s
+
+
+@dataclass(frozen=True)
+class Batched:
+    batch_size: int
+    output_tokens_per_s: float
+    achieved_flops: float
+    decode_bound_tokens_per_s: float
+    peak_flops: float
+
+    @property
+    def flops_fraction(self) -> float:
+        return self.achieved_flops / self.peak_flops
+
+
+def measure_machine(dtype: str, copy_mib: int, seconds: float):
+    """``measure_local`` with torch using every available core (the machine's ceiling, not the engine's)."""
+    import torch
+
+    from kvserve.planner.hardware import measure_local
+    from kvserve.worker.threads import available_cpus
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(available_cpus())
+    try:
+        return measure_local(dtype, copy_bytes=copy_mib * 2**20, seconds=seconds)
+    finally:
+        torch.set_num_threads(before)
+
+
+def model_setup(model_path, hardware, dtype: str, block_size: int) -> Setup:
+    from kvserve.planner.models import resolve_model
+    from kvserve.planner.shape import ModelShape
+
+    name, cfg = resolve_model(str(model_path))
+    return Setup(model=ModelShape.from_hf(cfg, name), hardware=hardware, dtype=dtype, block_size=block_size)
+
+
+def _requests(llm, num: int, prompt_len: int, output_len: int, seed: int):
+    from kvserve import SamplingParams
+    from kvserve.bench.workloads import random_requests
+
+    vocab = llm.engine.core.model_config.vocab_size
+    reqs = random_requests(num, (prompt_len, prompt_len), (output_len, output_len), vocab, seed=seed)
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    return [r.prompt_token_ids for r in reqs], params
+
+
+def run_single_stream(llm, setup: Setup, prompt_len: int, output_len: int, seed: int) -> SingleStream:
+    prompts, params = _requests(llm, 1, prompt_len, output_len, seed)
+    out = llm.generate(prompts, params, use_tqdm=False)[0]
+    rate = (len(out.token_ids) - 1) / (out.e2e_latency - out.ttft)
+    mid_context = prompt_len + output_len // 2
+    return SingleStream(prompt_len, output_len, rate, bytes_per_decode_step(setup, 1, mid_context),
+                        memory_bound_tokens_per_s(setup, mid_context))
+
+
+def run_batched(llm, setup: Setup, batch_size: int, prompt_len: int, output_len: int, seed: int) -> Batched:
+    prompts, params = _requests(llm, batch_size, prompt_len, output_len, seed)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    flops = batch_size * request_flops(setup, prompt_len, output_len)
+    peak = setup.hardware.peak_flops(setup.dtype)
+    bound = decode_bound_tokens_per_s(setup, batch_size, prompt_len + output_len // 2)
+    return Batched(batch_size, tokens / wall, flops / wall, bound, peak)
+
+
+def run(args) -> int:
+    from kvserve import LLM
+    from kvserve.worker.threads import configure_threads
+
+    hardware = measure_machine(args.dtype, args.copy_mib, args.measure_seconds)
+    threads = configure_threads(args.num_threads)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=max(batch_sizes),
+              kv_cache_memory_bytes=int(args.kv_cache_memory * 1024**3))
+    setup = model_setup(llm.engine.core.model_path, hardware, args.dtype, llm.engine.core.kv_info.block_size)
+    llm.generate(*_requests(llm, 1, 16, 4, args.seed), use_tqdm=False)  # warm-up: kernels, allocator
+    single = run_single_stream(llm, setup, args.prompt_len, args.single_output_len, args.seed)
+    batched = [run_batched(llm, setup, b, args.prompt_len, args.output_len, args.seed) for b in batch_sizes]
+    report(setup, threads.num_threads, single, batched, args.json)
+    return 0
+
+
+def report(setup: Setup, threads: int, single: SingleStream, batched: list[Batched], as_json: bool) -> None:
+    hw, best = setup.hardware, max(batched, key=lambda b: b.output_tokens_per_s)
+    context = single.prompt_len + single.output_len // 2
+    if as_json:
+        print(json.dumps({
+            "machine": {"name": hw.name, "bandwidth": hw.bandwidth, "matmul_flops": hw.peak_flops(setup.dtype)},
+            "model": setup.model.name, "dtype": setup.dtype, "engine_threads": threads,
+            "weight_bytes_per_step": weight_bytes_read(setup, 1), "flops_per_token": flops_per_token(setup, context),
+            "single_stream": {**asdict(single), "fraction": single.fraction},
+            "batched": [{**asdict(b), "flops_fraction": b.flops_fraction} for b in batched],
+            "best_batch_size": best.batch_size}, indent=2))
+        return
+    print(f"machine: {hw.name}: copy bandwidth {hw.bandwidth / 1e9:.1f} GB/s, "
+          f"{setup.dtype} matmul {hw.peak_flops(setup.dtype) / 1e12:.2f} TFLOP/s; engine threads {threads}")
+    print(f"model: {setup.model.name} {setup.dtype}: {weight_bytes_read(setup, 1) / 1e6:.1f} MB of weights read per "
+          f"decode step, {flops_per_token(setup, context) / 1e6:.1f} MFLOP per token at context {context}")
+    print(f"single-stream decode: {single.decode_tokens_per_s:.1f} tok/s; memory bound "
+          f"{single.bound_tokens_per_s:.1f} tok/s ({single.bytes_per_step / 1e6:.1f} MB per step): "
+          f"{100 * single.fraction:.0f}% of the bound")
+    print(f"{'batch':>5} {'out tok/s':>9} {'decode bound':>12} {'achieved TFLOP/s':>16} {'of matmul peak':>14}")
+    for b in batched:
+        mark = "  <- best" if b is best else ""
+        print(f"{b.batch_size:5d} {b.output_tokens_per_s:9.1f} {b.decode_bound_tokens_per_s:12.1f} "
+              f"{b.achieved_flops / 1e12:16.3f} {100 * b.flops_fraction:13.1f}%{mark}")
+
+
+def add_parser(bench_sub) -> None:
+    p = bench_sub.add_parser("roofline", help="memory-bandwidth and matmul bounds vs measured decode speed")
+    p.add_argument("--model", default=None, help="HF model folder or .gguf file (default: the bundled model)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--num-threads", type=int, default=None, help="engine threads (default: kvserve's choice)")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--single-output-len", type=int, default=256, help="output tokens of the single stream")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per request of the batched runs")
+    p.add_argument("--batch-sizes", default="8,32,64", help="comma-separated concurrent requests to try")
+    p.add_argument("--kv-cache-memory", type=float, default=1.0, help="KV-cache budget in GiB")
+    p.add_argument("--copy-mib", type=int, default=256, help="size of the bandwidth test's copy")
+    p.add_argument("--measure-seconds", type=float, default=1.0, help="time per machine measurement")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
