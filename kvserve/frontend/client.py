@@ -272,10 +272,7 @@ class AsyncEngineClient:
 
     def _publish(self, engine: LLMEngine, outputs: list[RequestOutput] | None = None) -> None:
         core = engine.core
-        self.snapshot = EngineSnapshot(
-            num_running=len(core.scheduler.running), num_waiting=len(core.scheduler.waiting),
-            kv_cache_usage=core.kv_cache.usage, num_preemptions=core.scheduler.num_preemptions,
-            kv_cache_tokens=core.kv_info.capacity_tokens)
+        self.snapshot = EngineSnapshot.of(core)
         if self.stats is not None:
             if outputs:
                 self.stats.on_outputs(outputs, time.perf_counter())

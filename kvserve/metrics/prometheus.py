@@ -48,6 +48,24 @@ class PrometheusMetrics:
         self.waiting = Gauge(ns + "num_requests_waiting", "Requests waiting to run", **label).labels(model_name)
         self.kv_usage = Gauge(ns + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1)",
                               **label).labels(model_name)
+        # Cumulative engine counters, exported as the deltas between snapshots.
+        self._counters = {
+            field: Counter(ns + name, doc, **label).labels(model_name) for field, name, doc in (
+                ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+                ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens served from the prefix cache"),
+                ("prefix_cache_evictions", "prefix_cache_evictions", "Cached KV blocks evicted"),
+                ("spec_proposed_tokens", "spec_decode_num_draft_tokens", "Speculative tokens proposed"),
+                ("spec_accepted_tokens", "spec_decode_num_accepted_tokens", "Speculative tokens accepted"),
+                ("spec_verify_steps", "spec_decode_num_verify_steps", "Request-steps that verified proposals"),
+                ("spec_emitted_tokens", "spec_decode_num_emitted_tokens", "Tokens emitted by verifying steps"),
+            )}
+        self.prefix_hit_rate = Gauge(ns + "prefix_cache_hit_rate", "Prefix-cache hits / queries since start (tokens)",
+                                     **label).labels(model_name)
+        self.spec_acceptance = Gauge(ns + "spec_decode_acceptance_rate", "Accepted / proposed speculative tokens",
+                                     **label).labels(model_name)
+        self.spec_mean_len = Gauge(ns + "spec_decode_mean_tokens_per_step",
+                                   "Tokens emitted per verifying request-step (accepted + 1)", **label).labels(model_name)
+        self._last = EngineSnapshot()
 
     # ---- MetricsSink ----------------------------------------------------------------------------
     def observe_ttft(self, seconds: float) -> None:
@@ -77,6 +95,15 @@ class PrometheusMetrics:
         self.kv_usage.set(snapshot.kv_cache_usage)
         if new_preemptions > 0:
             self.preemptions.inc(new_preemptions)
+        for field, counter in self._counters.items():
+            delta = getattr(snapshot, field) - getattr(self._last, field)
+            if delta > 0:
+                counter.inc(delta)
+        self._last = snapshot
+        s = snapshot
+        self.prefix_hit_rate.set(s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0)
+        self.spec_acceptance.set(s.spec_accepted_tokens / s.spec_proposed_tokens if s.spec_proposed_tokens else 0.0)
+        self.spec_mean_len.set(s.spec_emitted_tokens / s.spec_verify_steps if s.spec_verify_steps else 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -187,14 +187,17 @@ def sse_error(exc: Exception) -> str:
     return sse(error_body(503, str(exc)))
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def output_usage(outputs: list[RequestOutput]) -> dict:
+    """Token counts; cached_tokens = prompt tokens whose KV was reused from the prefix cache."""
     return usage(sum(len(o.prompt_token_ids) for o in outputs),
-                 sum(len(c.token_ids) for o in outputs for c in o.outputs))
+                 sum(len(c.token_ids) for o in outputs for c in o.outputs),
+                 sum(o.num_cached_tokens for o in outputs))
 
 
 @dataclass
