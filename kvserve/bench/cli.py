@@ -4,14 +4,9 @@ from __future__ import annotations
 
 
 def add_parser(sub) -> None:
-    from kvserve.bench import offline, roofline
+    from kvserve.bench import offline, prefix, roofline, serving, spec
 
-    p = sub.add_parser("bench", help="benchmarks: offline, serve, ...")
+    p = sub.add_parser("bench", help="benchmarks: offline, serve, prefix, spec, roofline")
     bench_sub = p.add_subparsers(dest="bench_command", required=True)
-    offline.add_parser(bench_sub)
-    roofline.add_parser(bench_sub)
-    try:
-        from kvserve.bench import serving
-    except ImportError:  # the HTTP load generator lands with the server
-        return
-    serving.add_parser(bench_sub)
+    for module in (offline, serving, prefix, spec, roofline):
+        module.add_parser(bench_sub)
