@@ -81,29 +81,24 @@ def _logprobs(lps: list[TokenLogprob] | None, text_of: TokenText) -> dict:
                         for lp in lps or []]}
 
 
-async def _stream(job: _Job, streams, text_of: TokenText) -> AsyncIterator[str]:
+def _stream(job: _Job, streams, text_of: TokenText) -> AsyncIterator[str]:
     """OpenAI's chat stream: a role delta first, content deltas, a closing chunk with finish_reason."""
     tracker = serving.DeltaTracker()
-    final = None
-    try:
-        for index in range(job.req.n):
-            yield serving.sse(_chunk(job, index, {"role": "assistant", "content": ""}))
-        async for _, out in serving.merged(streams):
-            for c in out.outputs:
-                delta = tracker.take(c.index, c)
-                if delta.text or delta.logprobs:
-                    logprobs = _logprobs(delta.logprobs, text_of) if job.req.logprobs else None
-                    yield serving.sse(_chunk(job, c.index, {"content": delta.text}, logprobs))
-                if delta.finish_reason is not None:
-                    yield serving.sse(_chunk(job, c.index, {}, finish_reason=delta.finish_reason))
-            final = out
-        if job.req.include_usage and final is not None:
-            yield serving.sse({**_chunk(job, 0, {}), "choices": [], "usage": serving.output_usage([final])})
-    except Exception as e:  # noqa: BLE001 - the status line is gone; report in-band
-        yield serving.sse_error(e)
-    finally:
-        serving.close_all(streams)
-    yield serving.SSE_DONE
+
+    def chunks_for(_: int, out: RequestOutput):
+        for c in out.outputs:
+            delta = tracker.take(c.index, c)
+            if delta.text or delta.logprobs:
+                logprobs = _logprobs(delta.logprobs, text_of) if job.req.logprobs else None
+                yield _chunk(job, c.index, {"content": delta.text}, logprobs)
+            if delta.finish_reason is not None:
+                yield _chunk(job, c.index, {}, finish_reason=delta.finish_reason)
+
+    def usage(final: list[RequestOutput]) -> dict:
+        return {**_chunk(job, 0, {}), "choices": [], "usage": serving.output_usage(final)}
+
+    roles = [_chunk(job, index, {"role": "assistant", "content": ""}) for index in range(job.req.n)]
+    return serving.event_stream(streams, chunks_for, roles, usage if job.req.include_usage else None)
 
 
 def _chunk(job: _Job, index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> dict:

@@ -112,25 +112,20 @@ def completion_logprobs(prompt_ids: list[int], prompt_lps: list[TokenLogprob | N
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-async def _stream(job: _Job, streams, text_of: TokenText) -> AsyncIterator[str]:
+def _stream(job: _Job, streams, text_of: TokenText) -> AsyncIterator[str]:
     """SSE chunks: each choice's new text (prompt first if echo), the finish reason on its last chunk."""
     tracker = serving.DeltaTracker()
-    final: dict[int, RequestOutput] = {}
-    try:
-        async for i, out in serving.merged(streams):
-            for index, c in _choices(job, i, out):
-                chunk = _delta_chunk(job, out, index, tracker.take(index, c), text_of)
-                if chunk is not None:
-                    yield serving.sse(chunk)
-            if out.finished:
-                final[i] = out
-        if job.req.include_usage:
-            yield serving.sse(_chunk(job, [], serving.output_usage(list(final.values()))))
-    except Exception as e:  # noqa: BLE001 - the status line is gone; report in-band
-        yield serving.sse_error(e)
-    finally:
-        serving.close_all(streams)
-    yield serving.SSE_DONE
+
+    def chunks_for(i: int, out: RequestOutput):
+        for index, c in _choices(job, i, out):
+            chunk = _delta_chunk(job, out, index, tracker.take(index, c), text_of)
+            if chunk is not None:
+                yield chunk
+
+    def usage(final: list[RequestOutput]) -> dict:
+        return _chunk(job, [], serving.output_usage(final))
+
+    return serving.event_stream(streams, chunks_for, usage_chunk=usage if job.req.include_usage else None)
 
 
 def _delta_chunk(job: _Job, out: RequestOutput, index: int, delta: serving.Delta, text_of: TokenText) -> dict | None:

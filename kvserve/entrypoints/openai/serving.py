@@ -4,10 +4,11 @@ running requests while watching for the client to leave, and server-sent events.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -167,6 +168,31 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
         for task in tasks:
             task.cancel()
         close_all(streams)
+
+
+async def event_stream(streams: list[RequestStream], chunks_for: Callable[[int, RequestOutput], Iterable[dict]],
+                       first: Iterable[dict] = (),
+                       usage_chunk: Callable[[list[RequestOutput]], dict] | None = None) -> AsyncIterator[str]:
+    """The SSE body both endpoints share: leading chunks, then each output's chunks as it arrives, a usage
+    chunk once every stream has finished, and ``[DONE]``. An error after the first byte cannot change the
+    status any more, so it is sent in-band; a client that leaves (cancel or close) aborts every stream."""
+    final: list[RequestOutput] = []
+    try:
+        for chunk in first:
+            yield sse(chunk)
+        async with contextlib.aclosing(merged(streams)) as outputs:
+            async for i, out in outputs:
+                for chunk in chunks_for(i, out):
+                    yield sse(chunk)
+                if out.finished:
+                    final.append(out)
+        if usage_chunk is not None:
+            yield sse(usage_chunk(final))
+    except Exception as e:  # noqa: BLE001 - reported to the client as an error event
+        yield sse_error(e)
+    finally:
+        close_all(streams)
+    yield SSE_DONE
 
 
 def sse(payload: dict | str) -> str:
