@@ -1,7 +1,8 @@
 """`kvserve bench spec`: speculative decoding against plain decoding, same process, same weights.
 
 Workloads (greedy, chat-templated): ``grounded`` asks to repeat, lightly edit or summarise a given
-passage or code block (where n-gram lookup shines); ``open`` asks open-ended questions. Each is run
+passage or code block (where n-gram lookup shines); ``open`` asks open-ended questions; ``code``
+asks for code completions (for a draft model of the same family). Each is run
 at every ``--concurrency`` through a plain engine and a speculative one, and the output tokens/s,
 their ratio, the acceptance rate and the mean tokens per verifying step are reported.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 
-from kvserve.bench.texts import GROUNDED_TASKS, OPEN_QUESTIONS, PASSAGES
+from kvserve.bench.texts import CODE_PROMPTS, GROUNDED_TASKS, OPEN_QUESTIONS, PASSAGES
 
 
 def prompts_for(workload: str, tokenizer, count: int) -> list[str]:
@@ -19,8 +20,10 @@ def prompts_for(workload: str, tokenizer, count: int) -> list[str]:
         raw = [task.format(passage=p) for p in PASSAGES for task in GROUNDED_TASKS]
     elif workload == "open":
         raw = list(OPEN_QUESTIONS)
+    elif workload == "code":
+        raw = list(CODE_PROMPTS)
     else:
-        raise ValueError(f"--workload {workload!r} must be 'grounded' or 'open'")
+        raise ValueError(f"--workload {workload!r} must be 'grounded', 'open' or 'code'")
     raw = [raw[i % len(raw)] for i in range(count)]
     return [tokenizer.apply_chat_template([{"role": "user", "content": r}], tokenize=False, add_generation_prompt=True)
             for r in raw]
@@ -80,7 +83,7 @@ def add_parser(bench_sub) -> None:
 
     p = bench_sub.add_parser("spec", help="speculative vs plain decoding on grounded / open-ended prompts")
     add_engine_args(p)
-    p.add_argument("--workload", choices=["grounded", "open"], default="grounded")
+    p.add_argument("--workload", choices=["grounded", "open", "code"], default="grounded")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--json", action="store_true")

@@ -38,3 +38,10 @@ OPEN_QUESTIONS = (
     "What makes a good teacher? Answer in a paragraph.",
     "Invent a new board game and describe its rules.",
 )
+
+CODE_PROMPTS = (
+    "Complete this Python function and explain nothing:\n\ndef is_prime(n: int) -> bool:\n    \"\"\"True if n is prime.\"\"\"\n",
+    "Write a Python function `merge_sorted(a, b)` that merges two sorted lists into one sorted list.",
+    "Complete this Python class:\n\nclass LRUCache:\n    def __init__(self, capacity: int):\n",
+    "Write a Python function that parses a CSV line with quoted fields into a list of strings.",
+)
