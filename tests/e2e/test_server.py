@@ -51,10 +51,19 @@ def offline(model_dir):
 GREEDY = {"temperature": 0, "max_tokens": 24, "extra_body": {"ignore_eos": True}}
 
 
-def test_models_health_version(server, client):
+def test_models_health_version_metrics_through_openai_clients(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny", "tiny-alias"]
-    assert httpx.get(server.url("/health")).status_code == 200
-    assert httpx.get(server.url("/version")).json()["version"]
+    root = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)  # the non-/v1 routes
+    assert root.get("/health", cast_to=httpx.Response).json() == {"status": "ok"}
+    assert root.get("/version", cast_to=httpx.Response).json()["version"]
+    metrics = root.get("/metrics", cast_to=httpx.Response)
+    assert metrics.headers["content-type"].startswith("text/plain") and "kvserve:" in metrics.text
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0) as aclient:
+            return [m.id async for m in aclient.models.list()]
+
+    assert asyncio.run(run()) == ["tiny", "tiny-alias"]
 
 
 @pytest.mark.parametrize("prompt", ["w5 w6 w7 w8", [5, 6, 7, 8]])

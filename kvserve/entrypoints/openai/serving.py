@@ -128,7 +128,13 @@ async def results_unless_disconnected(request: Request, streams: list[RequestStr
     finally:
         watch.cancel()
         work.cancel()
+        work.add_done_callback(_retrieve)  # a cancelled gather's error is expected, not worth a log line
         close_all(streams)
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 async def _disconnected(request: Request) -> None:
