@@ -12,6 +12,9 @@ from typing import Any
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+QUANTIZATIONS = ("none", "int8", "int4")
+QUANT_GROUP_SIZES = (32, 64, 128)
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -113,14 +116,44 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 1024**3
     enable_prefix_caching: bool = True  # reuse the KV of full blocks shared with earlier requests
+    # "auto": the model dtype; "int8" / "fp8" (float8_e4m3): one byte per value plus a float16 scale
+    # per token and head, about half the bytes per token of a bf16 cache (model/attention/kv_quant.py)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of {list(KV_CACHE_DTYPES)}")
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size={self.block_size} must be in [1, 1024]")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1 (or None to size from memory)")
         if self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be > 0")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Weight quantization (kvserve/model/quant/). ``quantization``:
+
+    None (unset): keep a GGUF file's own block quantization (Q4_0/Q4_1/Q4_K as int4, Q8_0/Q5/Q6_K as
+    int8 kernels); float checkpoints stay in the engine dtype.
+    "none": everything dense in the engine dtype (GGUF blocks dequantized at load).
+    "int8": weight-only int8, one scale per output channel (or per ``group_size`` inputs).
+    "int4": weight-only int4 with zero points per ``group_size`` inputs (default 128).
+    Both round to nearest at load; the vocabulary embedding / tied head becomes int8 per row.
+    """
+
+    quantization: str | None = None
+    group_size: int | None = None  # 32, 64 or 128; None = per channel (int8) or 128 (int4)
+
+    def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r} is not supported; choose one of "
+                             f"{list(QUANTIZATIONS)} or leave it unset to keep the checkpoint's own format")
+        if self.group_size is not None and self.group_size not in QUANT_GROUP_SIZES:
+            raise ValueError(f"quantization_group_size={self.group_size} must be one of {list(QUANT_GROUP_SIZES)}")
+        if self.group_size is not None and self.quantization not in ("int8", "int4"):
+            raise ValueError(f"quantization_group_size={self.group_size} needs quantization='int8' or 'int4'")
 
 
 @dataclass(frozen=True)
@@ -177,6 +210,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)

@@ -5,6 +5,7 @@ It knows token ids only; text (tokenizing, detokenizing, stop strings) is the fr
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -12,15 +13,18 @@ import torch
 
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.kv_cache.manager import KVCacheManager
-from kvserve.kv_cache.sizing import kv_bytes_per_token, num_kv_blocks_for_budget
+from kvserve.kv_cache.sizing import kv_bytes_per_token, kv_element_bytes, num_kv_blocks_for_budget
 from kvserve.model.attention.backend import get_backend
 from kvserve.model.loader import load_model, resolve_model_path
+from kvserve.model.quant.registry import describe_quantization, weight_bytes
 from kvserve.scheduler.output import SchedulerOutput
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.spec_decode.controller import SpeculativeController
 from kvserve.spec_decode.proposer import make_proposer
 from kvserve.types import FinishReason, Request, RequestStatus, SamplingParams, TokenLogprob
 from kvserve.worker.model_runner import ModelRunner, RunnerOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -43,10 +47,33 @@ class KVCacheInfo:
         return self.num_blocks * self.block_size
 
 
+@dataclass(frozen=True)
+class MemoryReport:
+    """What the weights and the KV cache occupy: logged at start-up and exported on /metrics."""
+
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kv_capacity_tokens: int
+    kv_cache_bytes: int
+    quantization: str
+    kv_cache_dtype: str
+
+    @staticmethod
+    def of(model: torch.nn.Module, kv: KVCacheInfo, config: EngineConfig) -> MemoryReport:
+        return MemoryReport(weight_bytes(model), kv.bytes_per_token, kv.capacity_tokens,
+                            kv.capacity_tokens * kv.bytes_per_token, describe_quantization(model),
+                            config.cache.kv_cache_dtype)
+
+    def summary(self) -> str:
+        return (f"weights {self.weight_bytes / 2**20:.1f} MiB ({self.quantization}); KV cache "
+                f"{self.kv_cache_bytes / 2**20:.1f} MiB ({self.kv_cache_dtype}), {self.kv_bytes_per_token} B/token, "
+                f"capacity {self.kv_capacity_tokens} tokens")
+
+
 def size_kv_cache(config: EngineConfig, model: ModelConfig) -> KVCacheInfo:
     """Blocks to preallocate: ``num_kv_blocks`` if given, else as many as the memory budget holds."""
-    per_token = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
-                                   torch.finfo(config.torch_dtype).bits // 8)
+    value_bytes, scale_bytes = kv_element_bytes(config.cache.kv_cache_dtype, torch.finfo(config.torch_dtype).bits // 8)
+    per_token = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, value_bytes, scale_bytes)
     blocks = config.cache.num_kv_blocks or num_kv_blocks_for_budget(
         config.cache.kv_cache_memory_bytes, config.cache.block_size, per_token)
     if blocks < 1:
@@ -60,14 +87,18 @@ class EngineCore:
         self.config = config
         self.model_path = resolve_model_path(config.model)
         device = torch.device(config.device)
-        model, self.model_config = load_model(self.model_path, config.torch_dtype, device)
+        model, self.model_config = load_model(self.model_path, config.torch_dtype, device,
+                                              config.quant.quantization, config.quant.group_size)
         self.kv_info = size_kv_cache(config, self.model_config)
+        self.memory = MemoryReport.of(model, self.kv_info, config)
+        log.info("kvserve: %s", self.memory.summary())
         self.max_model_len = min(self.model_config.max_position, config.scheduler.max_model_len or 1 << 62,
                                  self.kv_info.capacity_tokens)
         self.kv_cache = KVCacheManager(self.kv_info.num_blocks, self.kv_info.block_size,
                                        config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
-        self.runner = ModelRunner(model, self.model_config, get_backend(device), self.kv_info.num_blocks,
+        self.runner = ModelRunner(model, self.model_config, get_backend(device, config.cache.kv_cache_dtype),
+                                  self.kv_info.num_blocks,
                                   self.kv_info.block_size, config.torch_dtype, device, config.seed)
         self.num_steps = 0
         self.spec = self._make_speculation(config)

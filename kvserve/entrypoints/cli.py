@@ -26,6 +26,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-ngram-max", type=int, default=4)
     p.add_argument("--speculative-max-batch-size", type=int, default=8,
                    help="speculate only while at most this many requests are decoding")
+    p.add_argument("--quantization", choices=["none", "int8", "int4"], default=None,
+                   help="weights: unset keeps a GGUF file's own 4/8-bit blocks; none = dense dtype; int8/int4 at load")
+    p.add_argument("--quantization-group-size", type=int, default=None, choices=[32, 64, 128])
+    p.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"], default="auto",
+                   help="KV cache values: auto = model dtype; int8 / fp8 (e4m3) with a scale per token and head")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch threads (default: $KVSERVE_NUM_THREADS, else available cores - 1; see worker/threads.py)")
 
@@ -38,7 +43,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
                 speculative_model=args.speculative_model, speculative_ngram_min=args.speculative_ngram_min,
                 speculative_ngram_max=args.speculative_ngram_max,
-                speculative_max_batch_size=args.speculative_max_batch_size)
+                speculative_max_batch_size=args.speculative_max_batch_size, quantization=args.quantization,
+                quantization_group_size=args.quantization_group_size, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -77,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="LLM inference serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
-    for module in ("kvserve.entrypoints.serve_cli", "kvserve.bench.cli", "kvserve.planner.cli"):
+    for module in ("kvserve.entrypoints.serve_cli", "kvserve.bench.cli", "kvserve.planner.cli",
+                   "kvserve.eval.cli"):
         try:
             mod = __import__(module, fromlist=["add_parser"])
         except ImportError:

@@ -7,7 +7,7 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from kvserve.config import CacheConfig, EngineConfig, QuantConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.types import RequestOutput, SamplingParams
 
@@ -20,6 +20,9 @@ _OPTIONS = {
     "num_kv_blocks": ("cache", "num_kv_blocks"),
     "kv_cache_memory_bytes": ("cache", "kv_cache_memory_bytes"),
     "enable_prefix_caching": ("cache", "enable_prefix_caching"),
+    "kv_cache_dtype": ("cache", "kv_cache_dtype"),
+    "quantization": ("quant", "quantization"),
+    "quantization_group_size": ("quant", "group_size"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "max_model_len": ("scheduler", "max_model_len"),
@@ -30,7 +33,8 @@ _OPTIONS = {
     "speculative_ngram_max": ("speculative", "ngram_max"),
     "speculative_max_batch_size": ("speculative", "max_batch_size"),
 }
-_SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "speculative": SpeculativeConfig}
+_SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "speculative": SpeculativeConfig,
+             "quant": QuantConfig}
 
 
 def engine_config(model: str | None = None, dtype: str = "float32", seed: int = 0, device: str = "cpu",
@@ -58,7 +62,8 @@ class LLM:
     kv_cache_memory_bytes=1 GiB), enable_prefix_caching=True, max_num_seqs=64,
     max_num_batched_tokens=2048, max_model_len=None, speculative_method=None ("ngram" | "draft"),
     num_speculative_tokens=4, speculative_model, speculative_ngram_min=1, speculative_ngram_max=4,
-    speculative_max_batch_size=8.
+    speculative_max_batch_size=8, quantization=None (keep a GGUF file's block quantization; "none",
+    "int8", "int4"), quantization_group_size=None, kv_cache_dtype="auto" ("int8", "fp8").
     """
 
     def __init__(self, model: str | None = None, dtype: str = "float32", seed: int = 0, device: str = "cpu",

@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+# A quantized cache ("int8", "fp8") stores one byte per value plus a float16 scale per token and head.
+KV_QUANT_SCALE_BYTES = {"int8": 2, "fp8": 2}
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: float) -> int:
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: float,
+                       scale_bytes: int = 0) -> int:
     """Bytes of K and V one token occupies across all layers (MHA, GQA and MQA alike).
 
-    GQA/MQA enter through ``num_kv_heads``; a quantized cache through ``dtype_bytes`` (e.g. 1 for int8).
+    GQA/MQA enter through ``num_kv_heads``; a quantized cache through ``dtype_bytes`` (e.g. 1 for int8)
+    and ``scale_bytes`` per token and head (``KV_QUANT_SCALE_BYTES``).
     """
-    return int(2 * num_layers * num_kv_heads * head_dim * dtype_bytes)
+    return int(2 * num_layers * num_kv_heads * (head_dim * dtype_bytes + scale_bytes))
+
+
+def kv_element_bytes(kv_cache_dtype: str, model_dtype_bytes: int) -> tuple[int, int]:
+    """(bytes per value, scale bytes per token and head) of a ``kv_cache_dtype`` ("auto" = model dtype)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype_bytes, 0
+    if kv_cache_dtype not in KV_QUANT_SCALE_BYTES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} must be 'auto' or one of {sorted(KV_QUANT_SCALE_BYTES)}")
+    return 1, KV_QUANT_SCALE_BYTES[kv_cache_dtype]
 
 
 def num_kv_blocks_for_budget(budget_bytes: int, block_size: int, bytes_per_token: int) -> int:

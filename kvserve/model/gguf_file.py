@@ -1,12 +1,15 @@
-"""Reading single-file GGUF checkpoints: config from metadata, weights dequantized to float tensors.
+"""Reading single-file GGUF checkpoints: config from metadata, weights as float tensors or raw blocks.
 
 The `gguf` package parses the file and dequantizes every block type it knows (F32, F16, BF16,
-Q8_0, Q4_0, Q4_1, the K-quants...). We map llama.cpp tensor names to Hugging Face names and undo
-the Q/K row permutation llama.cpp applies to Llama-architecture checkpoints.
+Q8_0, Q4_0, Q4_1, the K-quants...). With ``keep_blocks`` the block-quantized matrices are handed
+out undecoded instead (``GGUFBlocks``), so a quantized layer can take them in their own format.
+We map llama.cpp tensor names to Hugging Face names and undo the Q/K row permutation llama.cpp
+applies to Llama-architecture checkpoints (a permutation of rows, so it applies to blocks too).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator
@@ -36,6 +39,7 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
 
@@ -86,17 +90,62 @@ def read_config(path: Path) -> dict[str, Any]:
     return cfg
 
 
-def iter_weights(path: Path, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, float32 tensor) for every tensor in the file."""
+@dataclass(frozen=True)
+class GGUFBlocks:
+    """A block-quantized matrix as stored in the file: ``data`` is uint8 [rows, bytes per row]."""
+
+    data: np.ndarray
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, int]  # (rows, cols) = (out_features, in_features), HF order
+
+    @property
+    def type_name(self) -> str:
+        return self.tensor_type.name
+
+    @property
+    def type_size(self) -> int:
+        """Bytes of one block."""
+        import gguf
+
+        return gguf.GGML_QUANT_SIZES[self.tensor_type][1]
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 matrix (the `gguf` package's reference dequantization)."""
+        import gguf
+
+        array = gguf.quants.dequantize(self.data, self.tensor_type)
+        return torch.from_numpy(np.array(array, dtype=np.float32, copy=True).reshape(self.shape))
+
+    def take_rows(self, index: np.ndarray) -> GGUFBlocks:
+        return GGUFBlocks(self.data[index], self.tensor_type, self.shape)
+
+    def __getitem__(self, rows: slice) -> GGUFBlocks:
+        """A range of rows (``blocks[a:b]``), still undecoded."""
+        data = self.data[rows]
+        return GGUFBlocks(data, self.tensor_type, (data.shape[0], self.shape[1]))
+
+
+def tensor_types(path: Path) -> dict[str, str]:
+    """HF tensor name -> GGML type name (e.g. "Q4_1", "F32") for every tensor in the file."""
+    return {_hf_name(t.name): t.tensor_type.name for t in _reader(path).tensors}
+
+
+def iter_weights(path: Path, config: dict[str, Any], keep_blocks: bool = False
+                 ) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+    """Yield (HF name, tensor) for every tensor in the file: float32 tensors, except block-quantized
+    matrices, which come as ``GGUFBlocks`` when ``keep_blocks``."""
     import gguf
 
     reader = _reader(path)
     arch = config["model_type"]
     for t in reader.tensors:
         name = _hf_name(t.name)
-        array = gguf.quants.dequantize(t.data, t.tensor_type)
-        array = np.array(array, dtype=np.float32, copy=True).reshape(tuple(int(d) for d in reversed(t.shape)))
-        tensor = torch.from_numpy(array)
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if keep_blocks and len(shape) == 2 and t.tensor_type.name not in _FLOAT_TYPES:
+            tensor: torch.Tensor | GGUFBlocks = GGUFBlocks(np.asarray(t.data).reshape(shape[0], -1), t.tensor_type, shape)
+        else:
+            array = gguf.quants.dequantize(t.data, t.tensor_type)
+            tensor = torch.from_numpy(np.array(array, dtype=np.float32, copy=True).reshape(shape))
         if arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
             tensor = _unpermute_qk(tensor, heads)
@@ -112,7 +161,10 @@ def _hf_name(name: str) -> str:
     return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
 
 
-def _unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+def _unpermute_qk(weight: torch.Tensor | GGUFBlocks, num_heads: int) -> torch.Tensor | GGUFBlocks:
     """Undo llama.cpp's per-head interleaving of rotary pairs back to the HF "rotate half" layout."""
     rows = weight.shape[0]
-    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+    order = torch.arange(rows).reshape(num_heads, rows // num_heads // 2, 2).transpose(1, 2).reshape(rows)
+    if isinstance(weight, GGUFBlocks):
+        return weight.take_rows(order.numpy())
+    return weight[order]

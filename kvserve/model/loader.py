@@ -11,6 +11,7 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.model import gguf_file
 from kvserve.model.default_model import verified_default_model_path
+from kvserve.model.quant.plan import assign_quant_methods
 from kvserve.model.registry import model_class
 
 
@@ -72,13 +73,20 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[torch.nn.Module, ModelConfig]:
-    """Build the registered model class for the checkpoint and fill every parameter."""
+def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantization: str | None = None,
+               group_size: int | None = None) -> tuple[torch.nn.Module, ModelConfig]:
+    """Build the registered model class for the checkpoint and fill every parameter.
+
+    ``quantization`` / ``group_size``: see kvserve.model.quant.plan (None keeps a GGUF file's own
+    block quantization and a float checkpoint dense in ``dtype``).
+    """
     hf = load_hf_config(path)
     config = load_model_config(path)
     cls = model_class(config.architecture)
+    gguf = is_gguf(path)
     with torch.device(device):
         model = cls(config, dtype)
-    weights = gguf_file.iter_weights(path, hf) if is_gguf(path) else iter_safetensors(path)
+        assign_quant_methods(model, quantization, group_size, gguf_file.tensor_types(path) if gguf else None)
+    weights = gguf_file.iter_weights(path, hf, keep_blocks=quantization != "none") if gguf else iter_safetensors(path)
     model.load_weights(weights)
     return model.eval(), config

@@ -50,19 +50,23 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
-_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
+_BACKENDS: dict[str, Callable[..., AttentionBackend]] = {}
 
 
 def register_backend(name: str) -> Callable:
-    def wrap(factory: Callable[[], AttentionBackend]) -> Callable[[], AttentionBackend]:
+    def wrap(factory: Callable[..., AttentionBackend]) -> Callable[..., AttentionBackend]:
         _BACKENDS[name] = factory
         return factory
 
     return wrap
 
 
-def get_backend(device: torch.device) -> AttentionBackend:
-    """The backend for a device: 'cuda' uses a CUDA backend when one is registered, else 'torch'."""
+def get_backend(device: torch.device, kv_cache_dtype: str = "auto") -> AttentionBackend:
+    """The backend for a device: 'cuda' uses a CUDA backend when one is registered, else 'torch'.
+
+    ``kv_cache_dtype`` "int8" / "fp8" selects a quantized cache (kv_quant.py); a factory is called
+    as ``factory(kv_cache_dtype=...)``.
+    """
     from kvserve.model.attention import torch_sdpa  # noqa: F401  (registers "torch")
 
     if device.type == "cuda":
@@ -71,4 +75,4 @@ def get_backend(device: torch.device) -> AttentionBackend:
         except ImportError:
             pass
     name = "cuda" if device.type == "cuda" and "cuda" in _BACKENDS else "torch"
-    return _BACKENDS[name]()
+    return _BACKENDS[name](kv_cache_dtype=kv_cache_dtype)

@@ -1,6 +1,6 @@
 """Build (once, cached) and load kvserve's C++ CPU kernels.
 
-The build is keyed by the source's hash and this CPU's instruction-set flags, because it is
+Each build is keyed by its source's hash and this CPU's instruction-set flags, because it is
 compiled with -march=native. If no compiler is available the caller falls back to plain PyTorch.
 """
 
@@ -10,7 +10,7 @@ import hashlib
 import logging
 import os
 import platform
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from types import ModuleType
 
@@ -26,25 +26,28 @@ def _cpu_signature() -> str:
     return flags
 
 
-@lru_cache(maxsize=1)
-def load_cpu_kernels() -> ModuleType | None:
-    """The compiled extension, or None (with a warning) if it cannot be built here.
-
-    Set KVSERVE_DISABLE_CPU_KERNELS=1 to force the pure-PyTorch path.
-    """
+@cache
+def build_extension(prefix: str, source: Path) -> ModuleType | None:
+    """Compile ``source`` into a module named ``<prefix>_<hash>``, or None (with a warning) if it
+    cannot be built here. Set KVSERVE_DISABLE_CPU_KERNELS=1 to force the pure-PyTorch paths."""
     if os.environ.get("KVSERVE_DISABLE_CPU_KERNELS") == "1":
         return None
     from torch.utils import cpp_extension
 
     from kvserve.frontend.tokenizer import cache_dir
 
-    digest = hashlib.sha256(_SOURCE.read_bytes() + _cpu_signature().encode()).hexdigest()[:12]
+    digest = hashlib.sha256(source.read_bytes() + _cpu_signature().encode()).hexdigest()[:12]
     build_dir = cache_dir() / "kernels" / digest
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         return cpp_extension.load(
-            name=f"kvserve_cpu_{digest}", sources=[str(_SOURCE)], build_directory=str(build_dir),
+            name=f"{prefix}_{digest}", sources=[str(source)], build_directory=str(build_dir),
             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only"], verbose=False)
     except Exception as e:  # no compiler, no ninja, odd platform: the PyTorch path still works
-        log.warning("kvserve: C++ CPU kernels unavailable (%s); using the PyTorch attention path", e)
+        log.warning("kvserve: C++ CPU kernels (%s) unavailable (%s); using the PyTorch path", source.name, e)
         return None
+
+
+def load_cpu_kernels() -> ModuleType | None:
+    """The paged decode attention kernel (see csrc/paged_decode.cpp), or None."""
+    return build_extension("kvserve_cpu", _SOURCE)

@@ -1,8 +1,11 @@
 """Reference attention backend in plain PyTorch (CPU, and any device as a fallback).
 
-KV cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V).
-Decodes are batched into one SDPA call over their gathered blocks; prefill chunks run one
-sequence at a time, reading the cached prefix only when there is one.
+KV cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V) in
+the model dtype, or with ``kv_cache_dtype`` "int8" / "fp8" the packed uint8 rows of kv_quant.py
+(``head_dim`` one-byte values + a float16 scale per token and head).
+Decodes are batched into one SDPA call over their gathered blocks (or the C++ paged kernel, which
+reads quantized rows directly); prefill chunks run one sequence at a time, reading the cached
+prefix only when there is one (dequantizing the gathered blocks for a quantized cache).
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ import torch.nn.functional as F
 
 from kvserve.model.attention.backend import AttentionMetadata, register_backend
 from kvserve.model.attention.cpu_kernels import load_cpu_kernels
+from kvserve.model.attention.kv_quant import kv_quant_format
+
+_KERNEL_KINDS = {None: 0, "int8": 1, "fp8": 2}  # cache kinds of paged_decode.cpp
 
 
 @register_backend("torch")
@@ -20,12 +26,15 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def __init__(self, use_kernels: bool = True) -> None:
+    def __init__(self, use_kernels: bool = True, kv_cache_dtype: str = "auto") -> None:
         self.kernels = load_cpu_kernels() if use_kernels else None
+        self.kv_format = kv_quant_format(kv_cache_dtype)
 
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
+        if self.kv_format is not None:
+            return self.kv_format.allocate(num_blocks, block_size, num_kv_heads, head_dim, device)
         # Zeroed, not empty: padded block-table entries and unwritten slots are read under a mask,
         # and a masked 0 weight times a garbage NaN would still poison the output.
         return torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
@@ -34,10 +43,7 @@ class TorchAttentionBackend:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]. Writes k, v into the cache, returns [T, Hq, D]."""
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
-        flat[0].index_copy_(0, meta.slot_mapping, k)
-        flat[1].index_copy_(0, meta.slot_mapping, v)
+        k, v = self._write(k, v, kv_cache, meta)
         out = torch.empty_like(q)
         if meta.decode_seqs:
             rows = meta.decode_token_index
@@ -47,13 +53,32 @@ class TorchAttentionBackend:
             out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], kv_cache, meta, i, scale)
         return out
 
+    def _write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v at their slots; returns them as the cache now holds them (dequantized)."""
+        flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
+        if self.kv_format is None:
+            flat[0].index_copy_(0, meta.slot_mapping, k)
+            flat[1].index_copy_(0, meta.slot_mapping, v)
+            return k, v
+        packed_k, packed_v = self.kv_format.quantize(k), self.kv_format.quantize(v)
+        flat[0].index_copy_(0, meta.slot_mapping, packed_k)
+        flat[1].index_copy_(0, meta.slot_mapping, packed_v)
+        return self.kv_format.dequantize(packed_k, k.dtype), self.kv_format.dequantize(packed_v, v.dtype)
+
+    def _gather(self, cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Blocks ``table`` of one half (K or V) of the cache, dequantized: [*table.shape, bs, Hkv, D]."""
+        blocks = cache[table]
+        return blocks if self.kv_format is None else self.kv_format.dequantize(blocks, dtype)
+
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         tables, seq_lens = meta.decode_block_tables, meta.decode_seq_lens  # [B, nb], [B]
         if self.kernels is not None and q.device.type == "cpu":
-            return self.kernels.paged_decode_attention(q.contiguous(), kv_cache[0], kv_cache[1], tables, seq_lens, scale)
-        b = tables.shape[0]
-        keys = kv_cache[0][tables].view(b, -1, *kv_cache.shape[3:]).transpose(1, 2)  # [B, Hkv, L, D]
-        values = kv_cache[1][tables].view(b, -1, *kv_cache.shape[3:]).transpose(1, 2)
+            kind = _KERNEL_KINDS[None if self.kv_format is None else self.kv_format.name]
+            return self.kernels.paged_decode_attention(q.contiguous(), kv_cache[0], kv_cache[1], tables, seq_lens,
+                                                       scale, kind)
+        keys = self._gather(kv_cache[0], tables, q.dtype).flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
+        values = self._gather(kv_cache[1], tables, q.dtype).flatten(1, 2).transpose(1, 2)
         positions = torch.arange(keys.shape[2], device=q.device)
         mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
         out = F.scaled_dot_product_attention(
@@ -72,9 +97,8 @@ class TorchAttentionBackend:
             return out[0].transpose(0, 1)
         num_blocks = -(-seq_len // meta.block_size)
         table = meta.block_tables[i, :num_blocks]
-        shape = kv_cache.shape[3:]
-        keys = kv_cache[0][table].view(-1, *shape)[:seq_len].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-        values = kv_cache[1][table].view(-1, *shape)[:seq_len].transpose(0, 1).unsqueeze(0)
+        keys = self._gather(kv_cache[0], table, q.dtype).flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
+        values = self._gather(kv_cache[1], table, q.dtype).flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
         # Query j sits at position seq_len - num_new + j and sees keys up to and including itself.
         q_pos = torch.arange(seq_len - num_new, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]

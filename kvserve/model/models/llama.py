@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from kvserve.config import ModelConfig
 from kvserve.model.attention.backend import AttentionBackend, AttentionMetadata
-from kvserve.model.layers.linear import Linear
+from kvserve.model.layers.linear import Linear, VocabEmbedding, load_checkpoint
 from kvserve.model.layers.norm import RMSNorm
 from kvserve.model.layers.rotary import RotaryEmbedding
 
@@ -76,8 +76,7 @@ class DecoderLayer(torch.nn.Module):
 class Backbone(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, _freeze=True,
-                                               _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = torch.nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -101,50 +100,11 @@ class LlamaForCausalLM(torch.nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return head.project(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (HF names) into parameters, routing q/k/v and gate/up into fused weights.
-
-        Raises ValueError if a parameter is left unfilled or a tensor's shape does not match.
-        """
-        params = dict(self.named_parameters())
-        fused = _fused_targets(self)
-        filled: set[str] = set()
-        for name, tensor in weights:
-            if name.startswith("lm_head.") and self.lm_head is None:
-                continue  # tied embeddings: some checkpoints still carry a copy
-            if "rotary_emb" in name:
-                continue
-            target, rows = fused.get(name, (name, None))
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            dest = params[target].data if rows is None else params[target].data[rows[0]:rows[0] + rows[1]]
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
-            filled.add(name if rows is None else target + "/" + name)
-        _check_all_filled(params, fused, filled)
-
-
-def _fused_targets(model: torch.nn.Module) -> dict[str, tuple[str, tuple[int, int]]]:
-    """Checkpoint name -> (fused parameter name, (row offset, rows)) for every sharded Linear."""
-    out = {}
-    for mod_name, mod in model.named_modules():
-        if isinstance(mod, Linear) and mod.shards:
-            parent = mod_name.rsplit(".", 1)[0]
-            for shard, rows in mod.shards.items():
-                for kind in ("weight", "bias"):
-                    if getattr(mod, kind) is not None:
-                        out[f"{parent}.{shard}.{kind}"] = (f"{mod_name}.{kind}", rows)
-    return out
-
-
-def _check_all_filled(params: dict, fused: dict, filled: set[str]) -> None:
-    fused_names = {target + "/" + name for name, (target, _) in fused.items()}
-    fused_params = {target for target, _ in fused.values()}
-    missing = [p for p in params if p not in fused_params and p not in filled]
-    missing += [n.split("/", 1)[1] for n in fused_names if n not in filled]
-    if missing:
-        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        """Fill every weight from checkpoint tensors (HF names); q/k/v and gate/up go into the fused
+        projections by rows. Raises ValueError if a tensor is left unfilled or has the wrong shape."""
+        # tied embeddings: some checkpoints still carry a copy of the output head
+        load_checkpoint(self, weights, skip=("lm_head.",) if self.lm_head is None else ())

@@ -1,0 +1,173 @@
+"""The built-in methods: dense float, and weight-only int8 / int4 with per-group scales.
+
+``GroupQuant`` stores ``w = q * scale + zero`` with fp16 scales (and zero points) per ``group``
+inputs of each output row (see packing.py for the layouts). One class covers:
+  - "int8": symmetric, one scale per output channel (or per group), round to nearest at load;
+  - "int4": asymmetric (scale + zero point), groups of 32/64/128, round to nearest at load;
+  - GGUF blocks kept in their own quantization: Q4_0/Q4_1/Q4_K as int4 groups of 32, and
+    Q8_0/Q5_0/Q5_1/Q5_K (groups of 32) and Q6_K (groups of 16) as int8, all exact (gguf_blocks.py).
+On the CPU the C++ kernels in csrc/quant_linear.cpp apply it; elsewhere (or without a compiler)
+the weight is dequantized per call and multiplied with torch (correct, not fast).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.model.quant import gguf_blocks, packing
+from kvserve.model.quant.registry import CheckpointTensor, QuantMethod, register_quant_method
+
+_CSRC = Path(__file__).parent / "csrc" / "quant_linear.cpp"
+# The fused kernel reads each weight once and reuses it for up to this many rows of x; beyond
+# it, dequantizing tiles of W for at::mm (AMX for bf16) wins. Crossovers measured on AVX512 + AMX.
+_MAX_FUSED_ROWS = {torch.float32: 64, torch.bfloat16: 4, torch.float16: 4}
+_TILE_BYTES = 1 << 21  # a dequantized tile of W that stays in L2 while at::mm reads it
+_LOAD_CHUNK_VALUES = 1 << 18
+
+
+def load_quant_kernels():
+    """The compiled int8/int4 kernels, or None where they cannot be built."""
+    from kvserve.model.attention.cpu_kernels import build_extension
+
+    return build_extension("kvserve_quant", _CSRC)
+
+
+def _dest_rows(layer, rows: tuple[int, int] | None) -> tuple[int, int]:
+    return rows if rows is not None else (0, layer.out_features)
+
+
+def _check_shape(layer, tensor: CheckpointTensor, rows: tuple[int, int] | None, name: str) -> None:
+    want = (_dest_rows(layer, rows)[1], layer.in_features)
+    if tuple(tensor.shape) != want:
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {want}")
+
+
+@register_quant_method("dense")
+class Dense(QuantMethod):
+    """W kept as a float matrix in the layer's dtype; GGUF blocks are dequantized at load."""
+
+    name = "dense"
+
+    def create_weights(self, layer) -> None:
+        weight = torch.empty(layer.out_features, layer.in_features, dtype=layer.dtype)
+        layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+    def weight_names(self) -> tuple[str, ...]:
+        return ("weight",)
+
+    def load(self, layer, tensor: CheckpointTensor, rows: tuple[int, int] | None) -> None:
+        start, count = _dest_rows(layer, rows)
+        dense = tensor if isinstance(tensor, torch.Tensor) else tensor.dequantize()
+        layer.weight.data[start:start + count].copy_(dense)
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight)
+
+    def embed(self, layer, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, layer.weight)
+
+
+class GroupQuant(QuantMethod):
+    """Weight-only quantization: ``bits`` 8 or 4, fp16 scales (+ zero points) per ``group`` inputs.
+
+    ``group=None`` means one group per row (per output channel). A layer whose input size the group
+    does not divide uses the largest power-of-two fraction of it that does (e.g. 128 -> 64 for K=576).
+    """
+
+    def __init__(self, bits: int, group: int | None, zeros: bool) -> None:
+        if bits not in (4, 8):
+            raise ValueError(f"bits={bits} must be 4 or 8")
+        if bits == 4 and (group is None or group % 32):
+            raise ValueError(f"int4 group size {group} must be a multiple of 32")
+        self.bits, self.group, self.has_zeros = bits, group, zeros or bits == 4
+        self.name = f"int{bits}" + (f"-g{group}" if group else "")
+
+    @staticmethod
+    def group_for(in_features: int, group: int | None, bits: int) -> int | None:
+        """The group size a layer with ``in_features`` inputs uses, or None if it cannot be quantized."""
+        if group is None:
+            return in_features
+        while group >= (32 if bits == 4 else 16) and in_features % group:
+            group //= 2
+        return group if group >= 16 and in_features % group == 0 and (bits == 8 or group % 32 == 0) else None
+
+    def layer_group(self, layer) -> int:
+        group = self.group_for(layer.in_features, self.group, self.bits)
+        if group is None:
+            raise ValueError(f"{self.name} cannot hold a weight with {layer.in_features} inputs")
+        return group
+
+    def create_weights(self, layer) -> None:
+        n, k = layer.out_features, layer.in_features
+        groups = k // self.layer_group(layer)
+        if self.bits == 4:
+            layer.register_buffer("qweight", torch.empty(n, k // 2, dtype=torch.uint8))
+        else:
+            layer.register_buffer("qweight", torch.empty(n, k, dtype=torch.int8))
+        layer.register_buffer("scales", torch.empty(n, groups, dtype=torch.float16))
+        layer.register_buffer("zeros", torch.empty(n, groups, dtype=torch.float16) if self.has_zeros else None)
+
+    def weight_names(self) -> tuple[str, ...]:
+        return ("qweight", "scales", "zeros")
+
+    def load(self, layer, tensor: CheckpointTensor, rows: tuple[int, int] | None) -> None:
+        group = self.layer_group(layer)
+        start, count = _dest_rows(layer, rows)
+        # A few rows at a time: small temporaries are recycled by the allocator, while big ones are
+        # fresh pages every time (page faults dominate loading otherwise).
+        step = max(1, _LOAD_CHUNK_VALUES // layer.in_features)
+        for first in range(0, count, step):
+            last = min(first + step, count)
+            q, scales, zeros = self._convert(tensor[first:last], group)
+            layer.qweight[start + first:start + last].copy_(q)
+            layer.scales[start + first:start + last].copy_(scales)
+            if self.has_zeros:
+                layer.zeros[start + first:start + last].copy_(zeros if zeros is not None else torch.zeros_like(scales))
+
+    def _convert(self, tensor: CheckpointTensor, group: int):
+        """(qweight, scales, zeros) rows for a float tensor or GGUF blocks: exact for blocks this
+        layout holds (gguf_blocks.py), else dequantize and round to nearest."""
+        if not isinstance(tensor, torch.Tensor):
+            packed = gguf_blocks.to_group_layout(tensor, self.bits, group, self.has_zeros)
+            if packed is not None:
+                return packed
+            tensor = tensor.dequantize()
+        return self.quantize(tensor, group)
+
+    def quantize(self, w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if self.bits == 4:
+            return packing.quantize_int4(w, group)
+        q, scales = packing.quantize_int8(w, group)
+        return q, scales, None
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        kernels = load_quant_kernels() if x.device.type == "cpu" else None
+        flat = x.reshape(-1, layer.in_features)
+        if kernels is None:
+            y = F.linear(flat, self.dense(layer, x.dtype))
+        else:
+            y = kernels.quant_linear(flat.contiguous(), layer.qweight, layer.scales, layer.zeros,
+                                     self.layer_group(layer), self.bits, _MAX_FUSED_ROWS.get(x.dtype, 8), _TILE_BYTES)
+        return y.reshape(*x.shape[:-1], layer.out_features)
+
+    def dense(self, layer, dtype: torch.dtype) -> torch.Tensor:
+        return packing.dequantize(layer.qweight, layer.scales, layer.zeros, self.bits, dtype)
+
+    def embed(self, layer, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        zeros = None if layer.zeros is None else layer.zeros[flat]
+        rows = packing.dequantize(layer.qweight[flat], layer.scales[flat], zeros, self.bits, layer.dtype)
+        return rows.reshape(*ids.shape, layer.in_features)
+
+
+@register_quant_method("int8")
+def int8(group: int | None = None, zeros: bool = False) -> GroupQuant:
+    return GroupQuant(8, group, zeros)
+
+
+@register_quant_method("int4")
+def int4(group: int = 128) -> GroupQuant:
+    return GroupQuant(4, group, True)

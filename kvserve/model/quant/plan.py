@@ -1,0 +1,77 @@
+"""Which quantization method each Linear of a freshly built model gets, from the user's option.
+
+``quantization``:
+  None     keep a GGUF file's own block quantization (each layer in the int4/int8 layout that holds
+           its blocks exactly, float tensors dense); float checkpoints stay dense in ``dtype``;
+  "none"   everything dense in ``dtype`` (GGUF blocks dequantized at load);
+  "int8"   weight-only int8, per output channel (or per ``group_size`` inputs), round to nearest;
+  "int4"   weight-only int4 with zero points, groups of ``group_size`` (default 128).
+The vocabulary embedding (which doubles as the tied output head) is quantized to int8 per row under
+"int8" and "int4": int4 there costs more quality than it saves (see benchmarks/quantization.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvserve.config import QuantConfig
+from kvserve.model.layers.linear import Linear, VocabEmbedding
+from kvserve.model.quant import gguf_blocks
+from kvserve.model.quant.methods import GroupQuant
+from kvserve.model.quant.registry import QuantMethod, get_quant_method
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INT4_GROUP = 128
+
+
+def assign_quant_methods(model: torch.nn.Module, quantization: str | None, group_size: int | None,
+                         gguf_types: dict[str, str] | None = None) -> None:
+    """Give every Linear of ``model`` its method (call before loading weights).
+
+    ``gguf_types`` maps HF tensor names to GGML type names when the checkpoint is a GGUF file.
+    """
+    QuantConfig(quantization, group_size)  # validates
+    for name, layer in model.named_modules():
+        if isinstance(layer, Linear):
+            method = _method_for(name, layer, quantization, group_size, gguf_types)
+            if method is not None:
+                layer.set_method(method)
+
+
+def _method_for(name: str, layer: Linear, quantization: str | None, group_size: int | None,
+                gguf_types: dict[str, str] | None) -> QuantMethod | None:
+    if quantization is None:
+        return _native(name, layer, gguf_types) if gguf_types else None
+    if quantization == "none":
+        return None
+    if quantization == "int8" or isinstance(layer, VocabEmbedding):
+        return get_quant_method("int8", group=group_size if quantization == "int8" else None)
+    group = GroupQuant.group_for(layer.in_features, group_size or DEFAULT_INT4_GROUP, 4)
+    if group is None:
+        log.warning("kvserve: %s has %d inputs, not a multiple of 32: kept dense", name, layer.in_features)
+        return None
+    return get_quant_method("int4", group=group)
+
+
+def checkpoint_names(name: str, layer: Linear) -> list[str]:
+    """The checkpoint weight names that fill ``layer`` (one per shard of a fused layer)."""
+    if not layer.shards:
+        return [f"{name}.weight"]
+    parent = name.rsplit(".", 1)[0]
+    return [f"{parent}.{shard}.weight" for shard in layer.shards]
+
+
+def _native(name: str, layer: Linear, gguf_types: dict[str, str]) -> QuantMethod | None:
+    types = {gguf_types.get(n, "") for n in checkpoint_names(name, layer)}
+    layout = gguf_blocks.native_layout(types)
+    if layout is None:
+        if types - {"F32", "F16", "BF16"}:
+            log.warning("kvserve: %s has GGUF types %s with no kernel layout: dequantized", name, sorted(types))
+        return None
+    bits, group, zeros = layout
+    if GroupQuant.group_for(layer.in_features, group, bits) != group:
+        return None
+    return GroupQuant(bits, group, zeros)

@@ -1,0 +1,172 @@
+"""Quantization building blocks: packing round trips, round-to-nearest error bounds, the C++ kernels
+against the PyTorch reference, GGUF block decoding against the `gguf` package, KV-cache formats."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvserve.model.attention.kv_quant import KVQuantFormat
+from kvserve.model.gguf_file import GGUFBlocks
+from kvserve.model.quant import gguf_blocks, packing
+from kvserve.model.quant.methods import load_quant_kernels
+
+
+def test_int4_pack_unpack_round_trip():
+    q = torch.randint(0, 16, (7, 96), dtype=torch.uint8)
+    packed = packing.pack_int4(q)
+    assert packed.shape == (7, 48)
+    assert torch.equal(packing.unpack_int4(packed), q)
+    # llama.cpp order: byte j of a 32-chunk holds value j (low nibble) and value j + 16 (high nibble)
+    assert int(packed[0, 0]) == int(q[0, 0]) | int(q[0, 16]) << 4
+
+
+@pytest.mark.parametrize("group", [None, 32])
+def test_int8_round_to_nearest_error_bound(group):
+    w = torch.randn(64, 128) * 0.1
+    q, scales = packing.quantize_int8(w, group)
+    back = packing.dequantize(q, scales, None, 8, torch.float32)
+    step = scales.float().repeat_interleave(128 // scales.shape[1], dim=1)
+    assert ((back - w).abs() <= step / 2 + 1e-6).all()
+    assert q.abs().max() <= 127
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_round_to_nearest_error_bound(group):
+    w = torch.randn(48, 256) * 0.1
+    packed, scales, zeros = packing.quantize_int4(w, group)
+    back = packing.dequantize(packed, scales, zeros, 4, torch.float32)
+    step = scales.float().repeat_interleave(group, dim=1)
+    # half a step, plus the float16 rounding of the zero point
+    assert ((back - w).abs() <= step / 2 + zeros.float().abs().repeat_interleave(group, dim=1) * 2**-10 + 1e-6).all()
+
+
+def _kernels():
+    kernels = load_quant_kernels()
+    if kernels is None:
+        pytest.skip("C++ kernels could not be built on this machine")
+    return kernels
+
+
+@pytest.mark.parametrize("bits, group, zeros", [(4, 32, True), (4, 64, True), (8, 96, False), (8, 16, False),
+                                                (8, 32, True)])
+@pytest.mark.parametrize("rows", [1, 3, 5, 70])  # fused (<= 4 or 64 rows) and tiled paths
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_reference(bits, group, zeros, rows, dtype):
+    kernels = _kernels()
+    torch.manual_seed(0)
+    n, k = 80, 192
+    w = torch.randn(n, k) * 0.1
+    if bits == 4:
+        q, s, z = packing.quantize_int4(w, group)
+    else:
+        q, s = packing.quantize_int8(w, group)
+        z = (torch.randn_like(s.float()) * 0.01).half() if zeros else None
+    ref_w = packing.dequantize(q, s, z, bits, torch.float32)
+    assert torch.equal(kernels.dequantize(q, s, z, group, bits, torch.float32), ref_w)
+    x = torch.randn(rows, k).to(dtype)
+    for max_fused in (0, 64):
+        y = kernels.quant_linear(x, q, s, z, group, bits, max_fused, 4096)
+        ref = torch.nn.functional.linear(x.float(), ref_w)
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        assert y.dtype == dtype
+        torch.testing.assert_close(y.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+# ---- GGUF blocks ----------------------------------------------------------------------------------
+def _random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> GGUFBlocks:
+    """Random block bytes with sane float16 scale fields, so every value is finite."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block_values, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size=(rows * cols // block_values, type_size), dtype=np.uint8)
+    half_offsets = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
+                    "Q5_K": [0, 2], "Q6_K": [208]}[type_name]
+    for off in half_offsets:
+        data[:, off:off + 2] = (rng.normal(0, 0.01, size=data.shape[0]).astype(np.float16)
+                                .view(np.uint8).reshape(-1, 2))
+    return GGUFBlocks(data.reshape(rows, -1), qtype, (rows, cols))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_gguf_blocks_decode_exactly(type_name):
+    blocks = _random_blocks(type_name, rows=6, cols=512)
+    reference = blocks.dequantize()
+    dec = gguf_blocks.decode(blocks)
+    group_rep = 512 // dec.scale.shape[1]
+    decoded = dec.q.astype(np.float32) * np.repeat(dec.scale, group_rep, axis=1)
+    if dec.zero is not None:
+        decoded = decoded + np.repeat(dec.zero, group_rep, axis=1)
+    np.testing.assert_allclose(decoded, reference.numpy(), rtol=1e-6, atol=1e-7)
+    # ... and the kernel layout (float16 scales: exact for legacy types, 2^-11 relative for K-quants)
+    bits, group, zeros = gguf_blocks.native_layout({type_name})
+    q, s, z = gguf_blocks.to_group_layout(blocks, bits, group, zeros)
+    packed = packing.dequantize(q, s, z, bits, torch.float32)
+    tol = 0 if type_name in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1") else 2e-3
+    torch.testing.assert_close(packed, reference, rtol=tol, atol=tol * reference.abs().max().item() + 1e-8)
+
+
+def test_gguf_native_layouts():
+    assert gguf_blocks.native_layout({"Q4_1"}) == (4, 32, True)
+    assert gguf_blocks.native_layout({"Q4_K", "Q4_0"}) == (4, 32, True)
+    assert gguf_blocks.native_layout({"Q8_0"}) == (8, 32, False)
+    assert gguf_blocks.native_layout({"Q4_K", "Q6_K"}) == (8, 16, True)  # mixed shards of a fused layer
+    assert gguf_blocks.native_layout({"Q4_K", "F16"}) is None
+    blocks = _random_blocks("Q6_K", 2, 256)
+    assert gguf_blocks.to_group_layout(blocks, 4, 32, True) is None  # 6-bit values do not fit int4
+    assert gguf_blocks.to_group_layout(blocks, 8, 32, False) is None  # scales per 16 do not fit groups of 32
+
+
+def test_gguf_blocks_rows_and_permutation():
+    from kvserve.model.gguf_file import _unpermute_qk
+
+    blocks = _random_blocks("Q4_1", rows=8, cols=64)
+    dense = blocks.dequantize()
+    torch.testing.assert_close(_unpermute_qk(blocks, 2).dequantize(), _unpermute_qk(dense, 2))
+    torch.testing.assert_close(blocks[2:5].dequantize(), dense[2:5])
+
+
+# ---- KV cache formats ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, rel", [("int8", 1 / 254), ("fp8", 1 / 16)])
+def test_kv_quant_round_trip(name, rel):
+    fmt = KVQuantFormat(name)
+    x = torch.randn(10, 3, 64) * torch.logspace(-3, 2, 10)[:, None, None]  # rows of very different scale
+    rows = fmt.quantize(x)
+    assert rows.dtype == torch.uint8 and rows.shape == (10, 3, 66)
+    back = fmt.dequantize(rows, torch.float32)
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    err = (back - x).abs()
+    bound = amax * rel * 1.01 if name == "int8" else torch.maximum(x.abs() * rel, amax * 2**-9) * 1.01
+    assert (err <= bound + 1e-12).all()
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_kernel_reads_quantized_cache(kv_dtype, dtype):
+    from kvserve.model.attention.cpu_kernels import load_cpu_kernels
+    from kvserve.model.attention.torch_sdpa import TorchAttentionBackend
+    from tests.unit.test_attention_backend import _decode_meta
+
+    if load_cpu_kernels() is None:
+        pytest.skip("C++ kernels could not be built on this machine")
+    torch.manual_seed(0)
+    lens, bs, dim, heads, kv_heads = [1, 5, 16, 17, 90, 33], 8, 32, 8, 2
+    meta = _decode_meta(lens, bs, num_blocks=64)
+    fast = TorchAttentionBackend(kv_cache_dtype=kv_dtype)
+    ref = TorchAttentionBackend(use_kernels=False, kv_cache_dtype=kv_dtype)
+    exact = TorchAttentionBackend(use_kernels=False)
+    dense = torch.randn(2, 64, bs, kv_heads, dim)
+    cache = KVQuantFormat(kv_dtype).quantize(dense)
+    q = torch.randn(len(lens), heads, dim).to(dtype)
+    k = torch.randn(len(lens), kv_heads, dim).to(dtype)
+    v = torch.randn(len(lens), kv_heads, dim).to(dtype)
+    out_fast = fast.forward(q, k, v, cache.clone(), meta, dim**-0.5)
+    out_ref = ref.forward(q, k, v, cache.clone(), meta, dim**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out_fast.float(), out_ref.float(), atol=tol, rtol=tol)
+    # and close to attention over the unquantized cache
+    out_exact = exact.forward(q, k, v, dense.to(dtype), meta, dim**-0.5)
+    assert (out_fast.float() - out_exact.float()).abs().max() < (0.05 if kv_dtype == "int8" else 0.15)
