@@ -139,12 +139,12 @@ class QuantConfig:
     int8 kernels); float checkpoints stay in the engine dtype.
     "none": everything dense in the engine dtype (GGUF blocks dequantized at load).
     "int8": weight-only int8, one scale per output channel (or per ``group_size`` inputs).
-    "int4": weight-only int4 with zero points per ``group_size`` inputs (default 128).
+    "int4": weight-only int4 with zero points per ``group_size`` inputs (default 32; see quant/plan.py).
     Both round to nearest at load; the vocabulary embedding / tied head becomes int8 per row.
     """
 
     quantization: str | None = None
-    group_size: int | None = None  # 32, 64 or 128; None = per channel (int8) or 128 (int4)
+    group_size: int | None = None  # 32, 64 or 128; None = per channel (int8) or 32 (int4)
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

@@ -91,7 +91,7 @@ class EngineCore:
                                               config.quant.quantization, config.quant.group_size)
         self.kv_info = size_kv_cache(config, self.model_config)
         self.memory = MemoryReport.of(model, self.kv_info, config)
-        log.info("kvserve: %s", self.memory.summary())
+        log.info("memory: %s", self.memory.summary())
         self.max_model_len = min(self.model_config.max_position, config.scheduler.max_model_len or 1 << 62,
                                  self.kv_info.capacity_tokens)
         self.kv_cache = KVCacheManager(self.kv_info.num_blocks, self.kv_info.block_size,

@@ -65,6 +65,11 @@ class PrometheusMetrics:
                                      **label).labels(model_name)
         self.spec_mean_len = Gauge(ns + "spec_decode_mean_tokens_per_step",
                                    "Tokens emitted per verifying request-step (accepted + 1)", **label).labels(model_name)
+        # Memory, fixed at start-up: weight bytes, KV bytes per token and KV capacity in tokens.
+        self.memory = {field: Gauge(ns + name, doc, **label).labels(model_name) for field, name, doc in (
+            ("weight_bytes", "model_weight_bytes", "Bytes of the loaded model weights (after quantization)"),
+            ("kv_bytes_per_token", "kv_cache_bytes_per_token", "KV-cache bytes per token, all layers"),
+            ("kv_cache_tokens", "kv_cache_capacity_tokens", "Tokens the KV cache holds"))}
         self._last = EngineSnapshot()
 
     # ---- MetricsSink ----------------------------------------------------------------------------
@@ -100,6 +105,8 @@ class PrometheusMetrics:
             if delta > 0:
                 counter.inc(delta)
         self._last = snapshot
+        for field, gauge in self.memory.items():
+            gauge.set(getattr(snapshot, field))
         s = snapshot
         self.prefix_hit_rate.set(s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0)
         self.spec_acceptance.set(s.spec_accepted_tokens / s.spec_proposed_tokens if s.spec_proposed_tokens else 0.0)

@@ -22,6 +22,8 @@ class EngineSnapshot:
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
     num_preemptions: int = 0  # cumulative
     kv_cache_tokens: int = 0  # capacity
+    weight_bytes: int = 0  # model weights as loaded (quantized or not): EngineCore.memory
+    kv_bytes_per_token: int = 0  # all layers, K and V, scales included
     # cumulative prefix-cache counters (tokens), and blocks evicted from the cache
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
@@ -39,7 +41,8 @@ class EngineSnapshot:
         return EngineSnapshot(
             num_running=len(core.scheduler.running), num_waiting=len(core.scheduler.waiting),
             kv_cache_usage=kv.usage, num_preemptions=core.scheduler.num_preemptions,
-            kv_cache_tokens=core.kv_info.capacity_tokens,
+            kv_cache_tokens=core.kv_info.capacity_tokens, weight_bytes=core.memory.weight_bytes,
+            kv_bytes_per_token=core.memory.kv_bytes_per_token,
             prefix_cache_queries=kv.prefix_stats.queries, prefix_cache_hits=kv.prefix_stats.hits,
             prefix_cache_evictions=kv.pool.stats.evictions,
             spec_proposed_tokens=spec.proposed if spec else 0, spec_accepted_tokens=spec.accepted if spec else 0,

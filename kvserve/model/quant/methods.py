@@ -169,5 +169,5 @@ def int8(group: int | None = None, zeros: bool = False) -> GroupQuant:
 
 
 @register_quant_method("int4")
-def int4(group: int = 128) -> GroupQuant:
+def int4(group: int = 32) -> GroupQuant:
     return GroupQuant(4, group, True)
