@@ -51,12 +51,12 @@ def _kernels():
 
 @pytest.mark.parametrize("bits, group, zeros", [(4, 32, True), (4, 64, True), (8, 96, False), (8, 16, False),
                                                 (8, 32, True)])
-@pytest.mark.parametrize("rows", [1, 3, 5, 70])  # fused (<= 4 or 64 rows) and tiled paths
+@pytest.mark.parametrize("rows", [1, 3, 5, 70])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_reference(bits, group, zeros, rows, dtype):
     kernels = _kernels()
     torch.manual_seed(0)
-    n, k = 80, 192
+    n, k = 72, 192  # 72: a partial block of 16 output channels
     w = torch.randn(n, k) * 0.1
     if bits == 4:
         q, s, z = packing.quantize_int4(w, group)
@@ -66,8 +66,8 @@ def test_kernel_matches_reference(bits, group, zeros, rows, dtype):
     ref_w = packing.dequantize(q, s, z, bits, torch.float32)
     assert torch.equal(kernels.dequantize(q, s, z, group, bits, torch.float32), ref_w)
     x = torch.randn(rows, k).to(dtype)
-    for max_fused in (0, 64):
-        y = kernels.quant_linear(x, q, s, z, group, bits, max_fused, 4096)
+    for max_fused, max_amx in ((64, 0), (0, 128), (0, 0)):  # fused, AMX (bf16, where present), tiled + at::mm
+        y = kernels.quant_linear(x, q, s, z, group, bits, max_fused, max_amx, 4096)
         ref = torch.nn.functional.linear(x.float(), ref_w)
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         assert y.dtype == dtype

@@ -21,9 +21,12 @@ from kvserve.model.quant import gguf_blocks, packing
 from kvserve.model.quant.registry import CheckpointTensor, QuantMethod, register_quant_method
 
 _CSRC = Path(__file__).parent / "csrc" / "quant_linear.cpp"
-# The fused kernel reads each weight once and reuses it for up to this many rows of x; beyond
-# it, dequantizing tiles of W for at::mm (AMX for bf16) wins. Crossovers measured on AVX512 + AMX.
-_MAX_FUSED_ROWS = {torch.float32: 64, torch.bfloat16: 4, torch.float16: 4}
+# Three CPU paths by rows of x (crossovers measured per layer on AVX512 + AMX, one thread):
+# up to _MAX_FUSED_ROWS the fused dequantize+dot kernel (reads each weight once); then, for bf16,
+# AMX tiles of W dequantized in registers (no per-call weight reorder, 1.3-1.9x at::mm on the dense
+# bf16 weight for 8-128 rows); beyond _MAX_AMX_ROWS (prefill) L2-sized dequantized tiles + at::mm.
+_MAX_FUSED_ROWS = {torch.float32: 64, torch.bfloat16: 3, torch.float16: 4}
+_MAX_AMX_ROWS = 256  # bf16 x with more rows than the fused limit: AMX tiles straight from W up to here
 _TILE_BYTES = 1 << 21  # a dequantized tile of W that stays in L2 while at::mm reads it
 _LOAD_CHUNK_VALUES = 1 << 18
 
@@ -150,7 +153,8 @@ class GroupQuant(QuantMethod):
             y = F.linear(flat, self.dense(layer, x.dtype))
         else:
             y = kernels.quant_linear(flat.contiguous(), layer.qweight, layer.scales, layer.zeros,
-                                     self.layer_group(layer), self.bits, _MAX_FUSED_ROWS.get(x.dtype, 8), _TILE_BYTES)
+                                     self.layer_group(layer), self.bits, _MAX_FUSED_ROWS.get(x.dtype, 8),
+                                     _MAX_AMX_ROWS, _TILE_BYTES)
         return y.reshape(*x.shape[:-1], layer.out_features)
 
     def dense(self, layer, dtype: torch.dtype) -> torch.Tensor:

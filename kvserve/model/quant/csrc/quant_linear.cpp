@@ -9,8 +9,9 @@
 //
 // Few rows of x (decode): a fused kernel dequantizes each weight once, in registers, and uses it for
 // up to kFusedRows rows of x; memory traffic is the packed weight only.
-// Many rows (prefill): dequantize a tile of W into x's dtype and hand it to at::mm (oneDNN; AMX
-// for bf16), so the dequantization is amortised over every row of x.
+// More rows, bf16 x, AMX present: 16 x 32 tiles of W dequantized in registers straight into AMX A
+// tiles (below). Many rows (prefill) or other dtypes: dequantize a tile of W into x's dtype and hand
+// it to at::mm (oneDNN), so the dequantization is amortised over every row of x.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -232,6 +233,165 @@ at::Tensor tiled_any(const QuantWeight& w, const at::Tensor& x, int64_t tile_byt
   }
 }
 
+
+// ---- AMX (bf16 tiles): y^T = W x^T, 16 output channels x 16 rows of x per C tile -----------------
+// W is the A operand: 16 rows x 32 inputs, dequantized in registers and stored row-major (no copy of
+// W beyond one 16-channel strip, no per-call weight reordering, which dominates at::mm for few rows).
+// x^T is the B operand (VNNI pairs), built once per call: x is small.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define KVSERVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+bool amx_ready() {  // Linux hands out the AMX register state only on request (once per process)
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles() {  // tiles 0-3: C (16 x 16 fp32); 4: A (16 rows x 32 bf16); 5-7: B (16 pairs x 16 x 2)
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// 16 x 16 transpose of 32-bit elements: r[i] holds row i, afterwards r[j] holds column j.
+void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  for (int i = 0; i < 16; i += 4) {  // r[i + c], lane L = rows i..i+3 at column 4L + c
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // 4 x 4 transpose of 128-bit lanes across r[c], r[4 + c], r[8 + c], r[12 + c]
+    const __m512i x0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+    const __m512i y0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44), y1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+    t[c] = _mm512_shuffle_i32x4(x0, y0, 0x88), t[4 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    t[8 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88), t[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// x^T as B tiles: tile (block b of 16 rows, chunk c of 32 inputs), row r = inputs 2r, 2r + 1 of each row.
+std::vector<uint16_t> x_tiles(const at::Tensor& xp) {
+  const int64_t blocks = xp.size(0) / 16, k = xp.size(1);
+  const uint16_t* x = reinterpret_cast<const uint16_t*>(xp.data_ptr<c10::BFloat16>());
+  std::vector<uint16_t> out(blocks * (k / 32) * 512);
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t c = 0; c < k / 32; ++c) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(x + (b * 16 + i) * k + c * 32);
+      transpose16(r);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out.data() + (b * (k / 32) + c) * 512 + i * 32, r[i]);
+    }
+  return out;
+}
+
+// Rows n0 .. n0 + 15 of W as bf16 A tiles, one per chunk of 32 inputs (missing rows are zero).
+// ``group_of[2c]``, ``group_of[2c + 1]``: the groups of the two halves of chunk c.
+template <int BITS>
+void w_tiles(const QuantWeight& w, int64_t n0, const int32_t* group_of, float* params, uint16_t* tiles) {
+  const int64_t groups = w.groups(), rows = std::min<int64_t>(16, w.n - n0), chunks = w.k / 32;
+  for (int64_t i = 0; i < 16; ++i) {
+    uint16_t* dst = tiles + i * 32;
+    if (i >= rows) {
+      for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_si512(dst + c * 512, _mm512_setzero_si512());
+      continue;
+    }
+    row_params(w, n0 + i, params);
+    const uint8_t* row = w.data + (n0 + i) * w.row_bytes(BITS);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int32_t g0 = group_of[2 * c], g1 = group_of[2 * c + 1];
+      __m512i q0, q1;
+      if (BITS == 4) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 16)));
+        q0 = _mm512_and_si512(v, _mm512_set1_epi32(15)), q1 = _mm512_srli_epi32(v, 4);
+      } else {
+        q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 32)));
+        q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 32 + 16)));
+      }
+      const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), _mm512_set1_ps(params[g0]), _mm512_set1_ps(params[groups + g0]));
+      const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), _mm512_set1_ps(params[g1]), _mm512_set1_ps(params[groups + g1]));
+      _mm512_storeu_si512(dst + c * 512, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    }
+  }
+}
+
+// C tiles hold y^T (16 channels x 16 rows): transpose back and store rows of y as bf16.
+void store_ct(const float* c, int64_t rows, int64_t cols, c10::BFloat16* y, int64_t ldy) {
+  __m512i r[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(c + i * 16);
+  transpose16(r);
+  for (int64_t m = 0; m < rows; ++m) {
+    const __m256bh v = _mm512_cvtneps_pbh(_mm512_castsi512_ps(r[m]));
+    if (cols == 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy), reinterpret_cast<__m256i>(v));
+    else for (int64_t j = 0; j < cols; ++j) y[m * ldy + j] = static_cast<c10::BFloat16>(_mm512_castsi512_ps(r[m])[j]);
+  }
+}
+
+// Two 16-channel strips of W (A tiles 4, 5) against one or two blocks of 16 rows of x (B tiles 6, 7):
+// four independent accumulators C[2 * strip + block] (tiles 0-3), so the tile multiplies overlap.
+void amx_block(const uint16_t* wt, int64_t strips, const uint16_t* xt, int64_t blocks, int64_t chunks, float* cbuf) {
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  const uint16_t* wt1 = wt + chunks * 512;
+  const uint16_t* xt1 = xt + chunks * 512;
+  for (int64_t c = 0; c < chunks; ++c) {
+    _tile_loadd(4, wt + c * 512, 64);
+    _tile_loadd(6, xt + c * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (blocks > 1) { _tile_loadd(7, xt1 + c * 512, 64); _tile_dpbf16ps(1, 4, 7); }
+    if (strips > 1) {
+      _tile_loadd(5, wt1 + c * 512, 64);
+      _tile_dpbf16ps(2, 5, 6);
+      if (blocks > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, cbuf, 64);
+  if (blocks > 1) _tile_stored(1, cbuf + 256, 64);
+  if (strips > 1) _tile_stored(2, cbuf + 512, 64);
+  if (strips > 1 && blocks > 1) _tile_stored(3, cbuf + 768, 64);
+}
+
+template <int BITS>
+at::Tensor amx_linear(const QuantWeight& w, const at::Tensor& x) {
+  const int64_t m = x.size(0), m_pad = (m + 15) / 16 * 16, chunks = w.k / 32, strips = (w.n + 15) / 16;
+  const at::Tensor xp = m_pad == m ? x : at::cat({x, at::zeros({m_pad - m, w.k}, x.options())});
+  const std::vector<uint16_t> xt = x_tiles(xp);
+  std::vector<int32_t> group_of(2 * chunks);
+  for (int64_t c = 0; c < 2 * chunks; ++c) group_of[c] = static_cast<int32_t>(c * 16 / w.group);
+  at::Tensor y = at::empty({m, w.n}, x.options());
+  c10::BFloat16* yptr = y.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, (strips + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+    configure_tiles();
+    std::vector<uint16_t> wt(2 * chunks * 512);
+    std::vector<float> params(2 * w.groups());
+    alignas(64) float cbuf[4 * 256];
+    for (int64_t pair = p0; pair < p1; ++pair) {
+      const int64_t n0 = pair * 32, pair_strips = std::min<int64_t>(2, strips - 2 * pair);
+      for (int64_t s = 0; s < pair_strips; ++s)
+        w_tiles<BITS>(w, n0 + 16 * s, group_of.data(), params.data(), wt.data() + s * chunks * 512);
+      for (int64_t m0 = 0; m0 < m_pad; m0 += 32) {
+        const int64_t blocks = std::min<int64_t>(2, (m_pad - m0) / 16);
+        amx_block(wt.data(), pair_strips, xt.data() + (m0 / 16) * chunks * 512, blocks, chunks, cbuf);
+        for (int64_t s = 0; s < pair_strips; ++s)
+          for (int64_t b = 0; b < blocks; ++b)
+            store_ct(cbuf + (2 * s + b) * 256, std::min<int64_t>(16, m - m0 - 16 * b),
+                     std::min<int64_t>(16, w.n - n0 - 16 * s), yptr + (m0 + 16 * b) * w.n + n0 + 16 * s, w.n);
+      }
+    }
+    _tile_release();
+  });
+  return y;
+}
+#endif
+
 QuantWeight check_weight(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
                          int64_t group, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
@@ -254,12 +414,16 @@ QuantWeight check_weight(const at::Tensor& qweight, const at::Tensor& scales, co
 // x: [M, K] float32/bfloat16/float16, contiguous. Returns [M, N] in x's dtype.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& zeros, int64_t group, int64_t bits, int64_t max_fused_rows,
-                        int64_t tile_bytes) {
+                        int64_t max_amx_rows, int64_t tile_bytes) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] matrix");
   const at::Tensor q = qweight.scalar_type() == at::kChar ? qweight.view(at::kByte) : qweight;
   const QuantWeight w = check_weight(q, scales, zeros, group, bits);
   TORCH_CHECK(x.size(1) == w.k, "x has ", x.size(1), " features, the weight ", w.k);
   if (x.size(0) <= max_fused_rows) return bits == 4 ? fused<4>(w, x) : fused<8>(w, x);
+#if defined(KVSERVE_AMX)
+  if (x.scalar_type() == at::kBFloat16 && x.size(0) <= max_amx_rows && w.k % 32 == 0 && w.group % 16 == 0 && amx_ready())
+    return bits == 4 ? amx_linear<4>(w, x) : amx_linear<8>(w, x);
+#endif
   return bits == 4 ? tiled_any<4>(w, x, tile_bytes) : tiled_any<8>(w, x, tile_bytes);
 }
 
@@ -283,4 +447,9 @@ at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "weight-only int8/int4 linear (CPU)");
   m.def("dequantize", &dequantize, "dequantize an int8/int4 weight (CPU)");
+#if defined(KVSERVE_AMX)
+  m.def("has_amx", [] { return amx_ready(); }, "AMX tiles usable in this process");
+#else
+  m.def("has_amx", [] { return false; }, "AMX tiles usable in this process");
+#endif
 }
