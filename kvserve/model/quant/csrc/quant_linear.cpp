@@ -55,47 +55,72 @@ inline void row_params(const QuantWeight& w, int64_t n, float* buf) {
   else std::fill(buf + g, buf + 2 * g, 0.f);
 }
 
+// The group of every half-chunk (16 values) of a row: a division per chunk costs more than the chunk.
+std::vector<int32_t> half_chunk_groups(const QuantWeight& w) {
+  std::vector<int32_t> out((w.k + 15) / 16);
+  for (size_t h = 0; h < out.size(); ++h) out[h] = static_cast<int32_t>(h * 16 / w.group);
+  return out;
+}
+
 // ---- fused dequantize + dot, rows [n0, n1) of W against MB rows of x (float32) ----------------------
 #if defined(__AVX512F__)
+// Chunk c (values 32c .. 32c + 31) of a row, dequantized: lo = values 0-15, hi = 16-31 of the chunk;
+// g0 / g1: the groups of the two halves (equal unless int8 groups of 16).
+template <int BITS>
+inline void dequant_chunk(const uint8_t* row, int64_t c, const float* params, int64_t groups, int64_t g0, int64_t g1,
+                          __m512& lo, __m512& hi) {
+  __m512i q0, q1;
+  if (BITS == 4) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 16)));
+    q0 = _mm512_and_si512(v, _mm512_set1_epi32(15)), q1 = _mm512_srli_epi32(v, 4);
+  } else {
+    q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 32)));
+    q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 32 + 16)));
+  }
+  lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), _mm512_set1_ps(params[g0]), _mm512_set1_ps(params[groups + g0]));
+  hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), _mm512_set1_ps(params[g1]), _mm512_set1_ps(params[groups + g1]));
+}
+
+// group_of[h]: the group of half-chunk h (values 16h .. 16h + 15), precomputed once per call.
 template <int BITS, int MB>
-void fused_rows(const QuantWeight& w, const float* x, int64_t ldx, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  const int64_t num_groups = w.groups();
-  const __m512i low_nibble = _mm512_set1_epi32(15);
-  std::vector<float> params(2 * num_groups);
+void fused_rows(const QuantWeight& w, const int32_t* group_of, const float* x, int64_t ldx, int64_t n0, int64_t n1,
+                float* y, int64_t ldy) {
+  const int64_t groups = w.groups(), chunks = w.k / 32;
+  std::vector<float> params(2 * groups);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w.data + n * w.row_bytes(BITS);
     row_params(w, n, params.data());
-    __m512 acc0[MB], acc1[MB];
-    for (int m = 0; m < MB; ++m) acc0[m] = acc1[m] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < num_groups; ++g) {
-      const __m512 s = _mm512_set1_ps(params[g]);
-      const __m512 z = _mm512_set1_ps(params[num_groups + g]);
-      const int64_t k_end = (g + 1) * w.group;
-      int64_t k = g * w.group;
-      for (; k + 32 <= k_end; k += 32) {
-        __m512 lo, hi;
-        if (BITS == 4) {
-          const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2)));
-          lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low_nibble)), s, z);
-          hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s, z);
-        } else {
-          const __m512i v0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k)));
-          const __m512i v1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k + 16)));
-          lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v0), s, z);
-          hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v1), s, z);
-        }
-        for (int m = 0; m < MB; ++m) {
-          acc0[m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + m * ldx + k), acc0[m]);
-          acc1[m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + m * ldx + k + 16), acc1[m]);
-        }
-      }
-      if (k < k_end) {  // int8 groups of 16 (GGUF Q6_K)
-        const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k)));
-        const __m512 wv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s, z);
-        for (int m = 0; m < MB; ++m) acc0[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * ldx + k), acc0[m]);
+    __m512 acc[4][MB];  // two chunks per step, four independent chains per row of x
+    for (int m = 0; m < MB; ++m) acc[0][m] = acc[1][m] = acc[2][m] = acc[3][m] = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 2 <= chunks; c += 2) {
+      __m512 lo0, hi0, lo1, hi1;
+      dequant_chunk<BITS>(row, c, params.data(), groups, group_of[2 * c], group_of[2 * c + 1], lo0, hi0);
+      dequant_chunk<BITS>(row, c + 1, params.data(), groups, group_of[2 * c + 2], group_of[2 * c + 3], lo1, hi1);
+      for (int m = 0; m < MB; ++m) {
+        const float* xm = x + m * ldx + c * 32;
+        acc[0][m] = _mm512_fmadd_ps(lo0, _mm512_loadu_ps(xm), acc[0][m]);
+        acc[1][m] = _mm512_fmadd_ps(hi0, _mm512_loadu_ps(xm + 16), acc[1][m]);
+        acc[2][m] = _mm512_fmadd_ps(lo1, _mm512_loadu_ps(xm + 32), acc[2][m]);
+        acc[3][m] = _mm512_fmadd_ps(hi1, _mm512_loadu_ps(xm + 48), acc[3][m]);
       }
     }
-    for (int m = 0; m < MB; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m]));
+    if (c < chunks) {
+      __m512 lo, hi;
+      dequant_chunk<BITS>(row, c, params.data(), groups, group_of[2 * c], group_of[2 * c + 1], lo, hi);
+      for (int m = 0; m < MB; ++m) {
+        acc[0][m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + m * ldx + c * 32), acc[0][m]);
+        acc[1][m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + m * ldx + c * 32 + 16), acc[1][m]);
+      }
+    }
+    if (w.k % 32) {  // int8 rows ending in half a chunk (groups of 16)
+      const int64_t k = chunks * 32, g = group_of[2 * chunks];
+      const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k)));
+      const __m512 wv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(params[g]), _mm512_set1_ps(params[groups + g]));
+      for (int m = 0; m < MB; ++m) acc[0][m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * ldx + k), acc[0][m]);
+    }
+    for (int m = 0; m < MB; ++m)
+      y[m * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]), _mm512_add_ps(acc[2][m], acc[3][m])));
   }
 }
 #endif
@@ -127,15 +152,15 @@ void fused_rows_scalar(const QuantWeight& w, const float* x, int64_t ldx, int64_
 }
 
 template <int BITS>
-void fused_block(const QuantWeight& w, const float* x, int64_t ldx, int64_t mb, int64_t n0, int64_t n1, float* y,
-                 int64_t ldy) {
+void fused_block(const QuantWeight& w, const int32_t* group_of, const float* x, int64_t ldx, int64_t mb, int64_t n0,
+                 int64_t n1, float* y, int64_t ldy) {
 #if defined(__AVX512F__)
   if (w.group % 16 == 0 && (BITS == 8 || w.group % 32 == 0)) {
     switch (mb) {
-      case 1: return fused_rows<BITS, 1>(w, x, ldx, n0, n1, y, ldy);
-      case 2: return fused_rows<BITS, 2>(w, x, ldx, n0, n1, y, ldy);
-      case 3: return fused_rows<BITS, 3>(w, x, ldx, n0, n1, y, ldy);
-      default: return fused_rows<BITS, 4>(w, x, ldx, n0, n1, y, ldy);
+      case 1: return fused_rows<BITS, 1>(w, group_of, x, ldx, n0, n1, y, ldy);
+      case 2: return fused_rows<BITS, 2>(w, group_of, x, ldx, n0, n1, y, ldy);
+      case 3: return fused_rows<BITS, 3>(w, group_of, x, ldx, n0, n1, y, ldy);
+      default: return fused_rows<BITS, 4>(w, group_of, x, ldx, n0, n1, y, ldy);
     }
   }
 #endif
@@ -149,9 +174,11 @@ at::Tensor fused(const QuantWeight& w, const at::Tensor& x) {
   at::Tensor y = at::empty({m, w.n}, x32.options());
   const float* xp = x32.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const std::vector<int32_t> group_of = half_chunk_groups(w);
   at::parallel_for(0, w.n, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < m; m0 += kFusedRows)
-      fused_block<BITS>(w, xp + m0 * w.k, w.k, std::min<int64_t>(kFusedRows, m - m0), n0, n1, yp + m0 * w.n, w.n);
+      fused_block<BITS>(w, group_of.data(), xp + m0 * w.k, w.k, std::min<int64_t>(kFusedRows, m - m0), n0, n1,
+                        yp + m0 * w.n, w.n);
   });
   return y.to(x.scalar_type());
 }
@@ -308,17 +335,8 @@ void w_tiles(const QuantWeight& w, int64_t n0, const int32_t* group_of, float* p
     row_params(w, n0 + i, params);
     const uint8_t* row = w.data + (n0 + i) * w.row_bytes(BITS);
     for (int64_t c = 0; c < chunks; ++c) {
-      const int32_t g0 = group_of[2 * c], g1 = group_of[2 * c + 1];
-      __m512i q0, q1;
-      if (BITS == 4) {
-        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 16)));
-        q0 = _mm512_and_si512(v, _mm512_set1_epi32(15)), q1 = _mm512_srli_epi32(v, 4);
-      } else {
-        q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 32)));
-        q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 32 + 16)));
-      }
-      const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), _mm512_set1_ps(params[g0]), _mm512_set1_ps(params[groups + g0]));
-      const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), _mm512_set1_ps(params[g1]), _mm512_set1_ps(params[groups + g1]));
+      __m512 lo, hi;
+      dequant_chunk<BITS>(row, c, params, groups, group_of[2 * c], group_of[2 * c + 1], lo, hi);
       _mm512_storeu_si512(dst + c * 512, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
     }
   }
@@ -364,8 +382,7 @@ at::Tensor amx_linear(const QuantWeight& w, const at::Tensor& x) {
   const int64_t m = x.size(0), m_pad = (m + 15) / 16 * 16, chunks = w.k / 32, strips = (w.n + 15) / 16;
   const at::Tensor xp = m_pad == m ? x : at::cat({x, at::zeros({m_pad - m, w.k}, x.options())});
   const std::vector<uint16_t> xt = x_tiles(xp);
-  std::vector<int32_t> group_of(2 * chunks);
-  for (int64_t c = 0; c < 2 * chunks; ++c) group_of[c] = static_cast<int32_t>(c * 16 / w.group);
+  const std::vector<int32_t> group_of = half_chunk_groups(w);
   at::Tensor y = at::empty({m, w.n}, x.options());
   c10::BFloat16* yptr = y.data_ptr<c10::BFloat16>();
   at::parallel_for(0, (strips + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
