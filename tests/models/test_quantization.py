@@ -82,14 +82,14 @@ def test_kv_quantized_decode_close_to_full_precision(tiny_llama, kv_dtype, tol):
     assert_no_leak(llm)
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
-def test_kv_quantized_preemption_and_chunked_prefill_change_nothing(tiny_qwen2, kv_dtype):
+@pytest.mark.parametrize("kv_dtype, weights", [("int8", None), ("fp8", "int8")])
+def test_kv_quantized_preemption_and_chunked_prefill_change_nothing(tiny_qwen2, kv_dtype, weights):
     # Attention reads the cache's quantized values on every path, so recomputing after preemption and
     # prefilling in 16-token chunks give exactly the tokens of an unconstrained run.
     prompts, params = _prompts(8, 20, 40, seed=2), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     small = LLM(model=str(tiny_qwen2), num_kv_blocks=24, block_size=4, max_num_batched_tokens=16,
-                kv_cache_dtype=kv_dtype)
-    roomy = LLM(model=str(tiny_qwen2), num_kv_blocks=256, block_size=4, kv_cache_dtype=kv_dtype)
+                kv_cache_dtype=kv_dtype, quantization=weights)
+    roomy = LLM(model=str(tiny_qwen2), num_kv_blocks=256, block_size=4, kv_cache_dtype=kv_dtype, quantization=weights)
     assert _tokens(small, prompts, params) == _tokens(roomy, prompts, params)
     assert small.engine.core.scheduler.num_preemptions > 0
     assert_no_leak(small)
@@ -99,8 +99,8 @@ def test_kv_quantized_preemption_and_chunked_prefill_change_nothing(tiny_qwen2, 
 def test_quantized_weights_and_kv_with_prefix_caching_and_speculation(tiny_llama):
     # int4 weights + int8 KV: a prefix-cache hit reads the same quantized KV the first request wrote,
     # and n-gram speculation (verified in the normal step) leaves greedy output unchanged.
-    options = dict(model=str(tiny_llama), num_kv_blocks=256, block_size=4, quantization="int4",
-                   quantization_group_size=32, kv_cache_dtype="int8")
+    options = {"model": str(tiny_llama), "num_kv_blocks": 256, "block_size": 4, "quantization": "int4",
+               "quantization_group_size": 32, "kv_cache_dtype": "int8"}
     shared = [7, 8, 9, 10] * 6
     prompts = [shared + [11, 12], shared + [13], shared + [14, 15, 16]]
     plain = LLM(enable_prefix_caching=False, **options)
@@ -114,6 +114,19 @@ def test_quantized_weights_and_kv_with_prefix_caching_and_speculation(tiny_llama
     assert spec.engine.core.spec.stats.proposed > 0
     for llm in (plain, cached, spec):
         assert_no_leak(llm)
+
+
+def test_draft_model_speculation_with_quantized_weights_and_kv(tiny_llama):
+    # The draft keeps its own (dense, "auto") cache; the target's int8 weights and fp8 KV are verified
+    # in the normal step, so greedy output equals the non-speculative run.
+    options = {"model": str(tiny_llama), "num_kv_blocks": 128, "block_size": 4, "quantization": "int8",
+               "kv_cache_dtype": "fp8"}
+    prompts = _prompts(4, 8, 30, seed=5)
+    want = _tokens(LLM(**options), prompts)
+    spec = LLM(speculative_method="draft", speculative_model=str(tiny_llama), num_speculative_tokens=3, **options)
+    assert _tokens(spec, prompts) == want
+    assert spec.engine.core.spec.stats.accepted > 0
+    assert_no_leak(spec)
 
 
 def test_memory_report_and_capacity(tiny_llama):

@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from kvserve.model.layers.linear import Linear
 
 CheckpointTensor = Union[torch.Tensor, "GGUFBlocks"]
-Rows = "tuple[int, int] | None"  # (row offset, rows) of a shard inside a fused weight; None = all rows
 
 
 class QuantMethod(ABC):
