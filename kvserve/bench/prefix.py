@@ -19,8 +19,6 @@ import random
 import sys
 import time
 
-import httpx
-
 from kvserve.bench.launch import ServerProcess
 from kvserve.bench.prefix_workloads import agentic_branches, multi_turn_chat, shared_system_prompt
 from kvserve.bench.serving import RequestResult, Target, run_load, summarize
@@ -48,20 +46,7 @@ def run_rounds(base_url: str, rounds: list[list[list[int]]], max_tokens: int, co
         reqs = [BenchRequest(p, max_tokens) for p in prompts]
         got, _ = asyncio.run(run_load(reqs, target, math.inf, concurrency, 0, 3600.0, False))
         results += got
-    summary = summarize(results, time.perf_counter() - start)
-    summary["prefix_cache_hit_rate"] = _metric(base_url, "kvserve:prefix_cache_hit_rate")
-    return summary
-
-
-def _metric(base_url: str, name: str) -> float | None:
-    try:
-        text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=10).text
-    except httpx.HTTPError:
-        return None
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return None
+    return summarize(results, time.perf_counter() - start)
 
 
 def run(args) -> int:
@@ -70,12 +55,14 @@ def run(args) -> int:
     rounds = build_rounds(args)
     if args.base_url:
         report = {"server": run_rounds(args.base_url, rounds, args.max_tokens, args.max_concurrency)}
+        report["server"]["prefix_cache_hit_rate"] = None  # another engine's metric names are unknown
     else:
         report = {}
         for name, extra in (("caching", []), ("no_caching", ["--no-prefix-caching"])):
             with ServerProcess(args.serve_args.split() + extra) as server:
                 run_rounds(server.base_url, [[rounds[0][0][:32]]], 2, 1)  # warm-up, shares nothing
                 report[name] = run_rounds(server.base_url, rounds, args.max_tokens, args.max_concurrency)
+                report[name]["prefix_cache_hit_rate"] = server.metric("kvserve:prefix_cache_hit_rate")
         report["throughput_ratio"] = report["caching"]["output_throughput"] / report["no_caching"]["output_throughput"]
         report["mean_ttft_ratio"] = report["caching"]["ttft"]["mean_ms"] / report["no_caching"]["ttft"]["mean_ms"]
     _print(report, args)
@@ -92,7 +79,7 @@ def _print(report: dict, args) -> None:
         print(f"{args.workload:6} {name:10}: {s['completed']} ok, {s['failed']} failed, {s['duration_s']:.1f} s, "
               f"{s['output_throughput']:.1f} out tok/s, {s['total_token_throughput']:.1f} total tok/s, "
               f"TTFT mean {s['ttft']['mean_ms']:.0f} ms p50 {s['ttft']['p50_ms']:.0f} ms, "
-              f"hit rate {s['prefix_cache_hit_rate']}")
+              f"hit rate {s.get('prefix_cache_hit_rate')}")
     if "throughput_ratio" in report:
         print(f"caching / no caching: throughput x{report['throughput_ratio']:.2f}, "
               f"mean TTFT x{report['mean_ttft_ratio']:.3f}")

@@ -1,81 +1,9 @@
-"""A real `kvserve serve` process on a free local port, for end-to-end tests."""
+"""A real `kvserve serve` process on a free local port, for end-to-end tests (see kvserve/bench/launch.py)."""
 
-from __future__ import annotations
-
-import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
-import httpx
+from kvserve.bench.launch import ServerProcess, free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[2]  # the repository, for subprocesses that run kvserve commands
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """Starts the server and waits until /health says 200; ``stop()`` sends SIGTERM and returns the exit code."""
-
-    def __init__(self, args: list[str], startup_timeout: float = 300.0) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.startup_statuses: list[int] = []  # /health answers seen while waiting for 200
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-server-", suffix=".log", delete=False)
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
-        cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", *args, "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        self._wait_healthy(startup_timeout)
-
-    def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()}")
-            try:
-                self.startup_statuses.append(httpx.get(self.url("/health"), timeout=1.0).status_code)
-                if self.startup_statuses[-1] == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"server not healthy after {timeout} s:\n{self.log_text()}")
-
-    def url(self, path: str) -> str:
-        return self.base_url + path
-
-    def log_text(self) -> str:
-        return Path(self.log.name).read_text()[-5000:]
-
-    def metric(self, name: str, **labels: str) -> float | None:
-        """The sample of ``name`` (with these label values) from /metrics; None if absent."""
-        wanted = [f'{k}="{v}"' for k, v in labels.items()]
-        for line in httpx.get(self.url("/metrics"), timeout=5).text.splitlines():
-            if line.startswith(name + "{") and all(w in line for w in wanted):
-                return float(line.rsplit(" ", 1)[1])
-        return None
-
-    def wait_metric(self, name: str, value: float, timeout: float = 10.0) -> float:
-        deadline = time.monotonic() + timeout
-        while (got := self.metric(name)) != value and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return got
-
-    def stop(self, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+__all__ = ["ROOT", "ServerProcess", "free_port"]
