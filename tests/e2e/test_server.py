@@ -133,12 +133,11 @@ def test_many_prompts_with_n(client):
 
 
 def test_echo_with_logprobs(client, offline):
-    got = client.completions.create(model="tiny", prompt=[5, 6, 7], echo=True, logprobs=2, **{**GREEDY,
-                                                                                             "max_tokens": 3})
-    choice = choice_text = got.choices[0]
-    choice_text = choice.text
+    got = client.completions.create(model="tiny", prompt=[5, 6, 7], echo=True, logprobs=2,
+                                    **{**GREEDY, "max_tokens": 3})
+    choice = got.choices[0]
     prompt_text = offline.get_tokenizer().decode([5, 6, 7])
-    assert choice_text.startswith(prompt_text) and len(choice_text) > len(prompt_text)
+    assert choice.text.startswith(prompt_text) and len(choice.text) > len(prompt_text)
     lp = choice.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None

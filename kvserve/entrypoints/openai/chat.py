@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -40,7 +41,7 @@ async def create_chat_completion(req: ChatCompletionRequest, state: ServerState,
     max_tokens = serving.resolve_max_tokens(requested, None, len(prompt), info.max_model_len, "messages", field)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = serving.build_params(req, info, max_tokens, logprobs=logprobs, renames=_RENAMES)
-    job = _Job(serving.new_id("chatcmpl"), model, state.created, req)
+    job = _Job(serving.new_id("chatcmpl"), model, int(time.time()), req)
     streams = serving.submit_all(state.client, job.request_id, [prompt], params)
     text_of = state.token_text()
     if req.stream:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -39,7 +40,7 @@ async def create_completion(req: CompletionRequest, state: ServerState, request:
     max_tokens = serving.resolve_max_tokens(req.max_tokens, DEFAULT_MAX_TOKENS, longest, info.max_model_len, "prompt")
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
     params = serving.build_params(req, info, max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
-    job = _Job(serving.new_id("cmpl"), model, state.created, prompts, req)
+    job = _Job(serving.new_id("cmpl"), model, int(time.time()), prompts, req)
     streams = serving.submit_all(state.client, job.request_id, prompts, params)
     text_of = state.token_text()
     if req.stream:
