@@ -3,7 +3,7 @@
 Speculation pays while decode is memory-bound (small batches) and while guesses are accepted.
 So proposals are made only while at most ``max_batch_size`` requests are decoding, and each
 request's k follows a moving average of its acceptance: a request whose guesses keep failing
-proposes less, down to a single probing token.
+proposes less, down to one probing token every few steps.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from kvserve.spec_decode.proposer import Proposer
 from kvserve.types import Request
 
 _EMA = 0.3  # weight of the latest step in the acceptance average
+_LOW_ACCEPTANCE = 0.2  # below this, a request only probes: one proposal every _PROBE_EVERY tokens
+_PROBE_EVERY = 4
 
 
 @dataclass
@@ -58,7 +60,10 @@ class SpeculativeController:
     def _eligible(self, r: Request) -> bool:
         params = r.sampling_params
         # Penalties and logprobs depend on every earlier token; keep those requests on the plain path.
-        return not params.needs_penalties and params.logprobs is None and self._room(r) > 0
+        if params.needs_penalties or params.logprobs is not None or self._room(r) <= 0:
+            return False
+        # Guesses that keep failing cost a wider forward pass for nothing: only probe now and then.
+        return r.spec_acceptance >= _LOW_ACCEPTANCE or len(r.output_token_ids) % _PROBE_EVERY == 0
 
     def _room(self, r: Request) -> int:
         """Proposals that still fit before max_tokens and the context window."""
