@@ -3,13 +3,13 @@
 W1: 32 requests at once, prompt 128, output 128, greedy, EOS ignored, bf16, through the offline
 engine. The busy loop is what ``taskset -c 1 sh -c 'while :; do :; done'`` does.
 
-One worker process per OpenMP wait policy (the policy must be in the environment before torch
-loads OpenMP) loads the engine once; the parent then asks the workers for runs in an interleaved
+One worker process per OpenMP setting (OMP_WAIT_POLICY / GOMP_SPINCOUNT must be in the environment
+before torch loads OpenMP) loads the engine once; the parent then asks the workers for runs in an interleaved
 order, every (policy, threads, quiet|busy) once per round, so drift in what other processes
 do to the machine hits every setting alike. The table shows the median and range per setting and
 the busy/quiet ratio of the medians.
 
-    .venv/bin/python benchmarks/thread_contention.py --threads 1,2 --wait-policy default,PASSIVE --rounds 3
+    .venv/bin/python benchmarks/thread_contention.py --threads 1,2 --wait-policy default,GOMP_SPINCOUNT=300000
 """
 
 from __future__ import annotations
@@ -65,11 +65,18 @@ def worker(args: argparse.Namespace) -> None:
         print(json.dumps({"tokens_per_s": rate, "load": os.getloadavg()[0]}), flush=True)
 
 
+def openmp_env(policy: str) -> dict[str, str]:
+    """'default' (nothing set), a bare OMP_WAIT_POLICY value, or 'KEY=VALUE;KEY=VALUE' (e.g. GOMP_SPINCOUNT=10000)."""
+    if policy == "default":
+        return {}
+    if "=" not in policy:
+        return {"OMP_WAIT_POLICY": policy}
+    return dict(item.split("=", 1) for item in policy.split(";"))
+
+
 def start_worker(policy: str, args: argparse.Namespace) -> subprocess.Popen:
-    env = dict(os.environ)
-    env.pop("OMP_WAIT_POLICY", None)
-    if policy != "default":
-        env["OMP_WAIT_POLICY"] = policy
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(openmp_env(policy))
     cmd = [sys.executable, __file__, "--worker", "--dtype", args.dtype, "--busy-core", str(args.busy_core),
            "--num-requests", str(args.num_requests), "--prompt-len", str(args.prompt_len),
            "--output-len", str(args.output_len)]
@@ -137,8 +144,10 @@ def print_table(rows: list[dict]) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", default="1,2", help="comma-separated torch thread counts to try")
-    p.add_argument("--wait-policy", default="default,PASSIVE",
-                   help="comma-separated OMP_WAIT_POLICY values ('default' leaves it unset; ACTIVE, PASSIVE)")
+    p.add_argument("--wait-policy", default="default,GOMP_SPINCOUNT=300000",
+                   help="comma-separated OpenMP settings: 'default' (none: kvserve's own choice, PASSIVE), an "
+                        "OMP_WAIT_POLICY value (ACTIVE, PASSIVE) or KEY=VALUE pairs joined by ';'; "
+                        "GOMP_SPINCOUNT=300000 is GNU OpenMP's own default (spin ~3 ms, then sleep)")
     p.add_argument("--rounds", type=int, default=3, help="runs of every setting, interleaved")
     p.add_argument("--busy-core", type=int, default=max(os.sched_getaffinity(0)), help="core the busy loop takes")
     p.add_argument("--dtype", default="bfloat16")

@@ -1,5 +1,7 @@
 """kvserve: an LLM inference-serving engine small enough to read."""
 
+# First, before anything loads torch: OpenMP reads its wait policy once, when torch loads it.
+from kvserve.worker import threads as _threads  # noqa: F401, I001
 from kvserve.entrypoints.llm import LLM
 from kvserve.types import RequestOutput, SamplingParams
 

@@ -1,24 +1,32 @@
-"""How many CPU threads the engine's tensor ops use, chosen once per process at engine start.
+"""How many CPU threads the engine's tensor ops use, and how OpenMP's idle threads wait.
 
-Why not "one per core": torch splits every op across its OpenMP threads and waits for the slowest
-at a barrier. When another process takes one of the cores, the thread sharing that core only runs
-when the kernel scheduler gives it a slice (milliseconds), so every op, even a 100 us decode
-matmul, waits milliseconds: on a shared 2-core machine two threads fell to a few percent of their
-quiet speed, while one thread simply moves to the free core and keeps its speed
-(benchmarks/thread_contention.py measures it; figures in benchmarks/README.md).
+torch splits every op across its OpenMP threads and waits for the slowest at a barrier. By default
+GNU OpenMP (what the torch wheels use) makes a thread that reaches the barrier early *spin*. When
+another process takes one of the cores, the thread that shares that core runs only when the kernel
+scheduler gives it a slice, and meanwhile its sibling spins, burning the core the straggler could
+have moved to: on a shared 2-core machine two spinning threads fell to a tenth of one thread's W1
+throughput. With ``OMP_WAIT_POLICY=PASSIVE`` a thread that is done sleeps at once, its core goes
+idle, and the straggler is pulled onto it; two passive threads held up with a busy core and beat one
+thread (benchmarks/thread_contention.py measures all of this; figures in benchmarks/README.md).
 
-So the default leaves one core free: ``available cores - 1`` threads, at least 1. That core also
-serves the HTTP/tokenizer thread of ``kvserve serve``. Precedence: an explicit request
-(``--num-threads``, or ``configure_threads(n)``) > ``$KVSERVE_NUM_THREADS`` > the default.
+So kvserve sets ``OMP_WAIT_POLICY=PASSIVE`` (unless the environment already says otherwise) when
+it is imported, before torch starts OpenMP, and then uses every available core. If torch started
+OpenMP first, or the policy is not PASSIVE, idle threads spin and kvserve leaves one core free
+instead (``cores - 1``, at least 1).
+
+Thread count precedence: an explicit request (``--num-threads``, ``configure_threads(n)``) >
+``$KVSERVE_NUM_THREADS`` > the default above.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 ENV_VAR = "KVSERVE_NUM_THREADS"
+WAIT_POLICY = "OMP_WAIT_POLICY"
 
 
 @dataclass(frozen=True)
@@ -29,6 +37,17 @@ class ThreadChoice:
     source: str
 
 
+def prepare_openmp(environ: MutableMapping[str, str], torch_loaded: bool) -> bool:
+    """Ask for passive OpenMP waiting unless the user chose a policy; True if idle threads will sleep.
+
+    OpenMP reads its environment once, when torch loads it, so this only takes effect if
+    ``torch_loaded`` is False (or the policy was already in the environment).
+    """
+    if WAIT_POLICY not in environ and not torch_loaded:
+        environ[WAIT_POLICY] = "PASSIVE"
+    return environ.get(WAIT_POLICY, "").strip().upper() == "PASSIVE"
+
+
 def available_cpus() -> int:
     """Cores this process may run on (taskset and cgroup cpusets shrink it), not the machine's count."""
     try:
@@ -37,9 +56,9 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def default_num_threads(cpus: int) -> int:
-    """All cores but one, at least one: the spare core absorbs a neighbour or the server's own threads."""
-    return max(1, cpus - 1)
+def default_num_threads(cpus: int, passive_wait: bool) -> int:
+    """Every core when idle threads sleep; else all but one, so a neighbour cannot strand a spinning barrier."""
+    return cpus if passive_wait else max(1, cpus - 1)
 
 
 def _parse(value: int | str, origin: str) -> int:
@@ -52,7 +71,7 @@ def _parse(value: int | str, origin: str) -> int:
     return n
 
 
-def pick_num_threads(requested: int | None, env: Mapping[str, str], cpus: int) -> ThreadChoice:
+def pick_num_threads(requested: int | None, env: Mapping[str, str], cpus: int, passive_wait: bool) -> ThreadChoice:
     """The thread count for ``requested`` (None: not asked), the environment and ``cpus`` cores.
 
     Raises ValueError naming the flag or variable when a given value is not a positive integer.
@@ -61,14 +80,15 @@ def pick_num_threads(requested: int | None, env: Mapping[str, str], cpus: int) -
         return ThreadChoice(_parse(requested, "num_threads"), "request")
     if env.get(ENV_VAR, "").strip():
         return ThreadChoice(_parse(env[ENV_VAR].strip(), ENV_VAR), "env")
-    return ThreadChoice(default_num_threads(cpus), "default")
+    return ThreadChoice(default_num_threads(cpus, passive_wait), "default")
 
 
 class ThreadSettings:
     """Applies a choice to torch (a process-wide setting) and keeps an explicit request for the
     process: a later engine start without a request does not undo ``--num-threads``."""
 
-    def __init__(self) -> None:
+    def __init__(self, passive_wait: bool) -> None:
+        self.passive_wait = passive_wait
         self.explicit: ThreadChoice | None = None
 
     def configure(self, requested: int | None = None, env: Mapping[str, str] | None = None,
@@ -77,7 +97,7 @@ class ThreadSettings:
             choice = self.explicit
         else:
             choice = pick_num_threads(requested, os.environ if env is None else env,
-                                      available_cpus() if cpus is None else cpus)
+                                      available_cpus() if cpus is None else cpus, self.passive_wait)
         if choice.source == "request":
             self.explicit = choice
         _apply(choice.num_threads)
@@ -91,7 +111,8 @@ def _apply(num_threads: int) -> None:
         torch.set_num_threads(num_threads)
 
 
-_SETTINGS = ThreadSettings()
+# Decided once, when kvserve is imported (kvserve/__init__.py imports this module first).
+_SETTINGS = ThreadSettings(prepare_openmp(os.environ, torch_loaded="torch" in sys.modules))
 
 
 def configure_threads(requested: int | None = None) -> ThreadChoice:

@@ -1,32 +1,52 @@
-"""The engine's thread picker: default from the cores, env and explicit-request overrides."""
+"""The engine's thread picker: OpenMP wait policy, default from the cores, env and explicit overrides."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvserve.worker import threads
-from kvserve.worker.threads import ENV_VAR, ThreadChoice, ThreadSettings, pick_num_threads
+from kvserve.worker.threads import ENV_VAR, ThreadChoice, ThreadSettings, pick_num_threads, prepare_openmp
 
 
-@pytest.mark.parametrize("cpus, expected", [(1, 1), (2, 1), (4, 3), (16, 15)])
-def test_default_leaves_one_core_free(cpus, expected):
-    assert pick_num_threads(None, {}, cpus) == ThreadChoice(expected, "default")
+def test_passive_wait_is_set_before_torch_loads():
+    env: dict[str, str] = {}
+    assert prepare_openmp(env, torch_loaded=False) is True
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def test_too_late_after_torch_loaded():
+    env: dict[str, str] = {}
+    assert prepare_openmp(env, torch_loaded=True) is False
+    assert env == {}
+
+
+@pytest.mark.parametrize("policy, passive", [("ACTIVE", False), ("passive", True)])
+def test_the_users_policy_is_kept(policy, passive):
+    env = {"OMP_WAIT_POLICY": policy}
+    assert prepare_openmp(env, torch_loaded=True) is passive
+    assert env == {"OMP_WAIT_POLICY": policy}
+
+
+@pytest.mark.parametrize("cpus, passive, expected", [(2, True, 2), (16, True, 16), (1, False, 1), (2, False, 1),
+                                                     (16, False, 15)])
+def test_default_uses_every_core_only_when_idle_threads_sleep(cpus, passive, expected):
+    assert pick_num_threads(None, {}, cpus, passive) == ThreadChoice(expected, "default")
 
 
 def test_env_overrides_the_default():
-    assert pick_num_threads(None, {ENV_VAR: " 2 "}, 2) == ThreadChoice(2, "env")
-    assert pick_num_threads(None, {ENV_VAR: ""}, 2) == ThreadChoice(1, "default")
+    assert pick_num_threads(None, {ENV_VAR: " 1 "}, 2, True) == ThreadChoice(1, "env")
+    assert pick_num_threads(None, {ENV_VAR: ""}, 2, True) == ThreadChoice(2, "default")
 
 
 def test_request_overrides_env():
-    assert pick_num_threads(3, {ENV_VAR: "2"}, 2) == ThreadChoice(3, "request")
+    assert pick_num_threads(3, {ENV_VAR: "2"}, 2, True) == ThreadChoice(3, "request")
 
 
 @pytest.mark.parametrize("requested, env, name", [(0, {}, "num_threads"), (None, {ENV_VAR: "two"}, ENV_VAR),
                                                   (None, {ENV_VAR: "-1"}, ENV_VAR)])
 def test_bad_values_name_the_setting(requested, env, name):
     with pytest.raises(ValueError, match=name):
-        pick_num_threads(requested, env, 2)
+        pick_num_threads(requested, env, 2, True)
 
 
 @pytest.fixture
@@ -37,21 +57,20 @@ def applied(monkeypatch):
 
 
 def test_an_explicit_request_survives_a_later_engine_start(applied):
-    settings = ThreadSettings()
-    assert settings.configure(2, env={}, cpus=2).num_threads == 2
-    assert settings.configure(None, env={ENV_VAR: "1"}, cpus=2) == ThreadChoice(2, "request")
-    assert applied == [2, 2]
+    settings = ThreadSettings(passive_wait=True)
+    assert settings.configure(1, env={}, cpus=2).num_threads == 1
+    assert settings.configure(None, env={ENV_VAR: "2"}, cpus=2) == ThreadChoice(1, "request")
+    assert applied == [1, 1]
 
 
 def test_without_a_request_each_start_reads_env_and_cores(applied):
-    settings = ThreadSettings()
+    settings = ThreadSettings(passive_wait=False)
     assert settings.configure(None, env={}, cpus=4) == ThreadChoice(3, "default")
     assert settings.configure(None, env={ENV_VAR: "2"}, cpus=4) == ThreadChoice(2, "env")
     assert applied == [3, 2]
 
 
-def test_cli_flag_reaches_the_settings(monkeypatch, applied):
+def test_cli_flag_is_parsed():
     from kvserve.entrypoints.cli import build_parser
 
-    args = build_parser().parse_args(["generate", "hi", "--num-threads", "2"])
-    assert args.num_threads == 2
+    assert build_parser().parse_args(["generate", "hi", "--num-threads", "2"]).num_threads == 2
