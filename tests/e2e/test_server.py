@@ -226,6 +226,30 @@ def test_bad_input_is_named_and_harmless(server, path, body, status, param, word
     assert all(w in error["message"] for w in words), error["message"]
 
 
+NASTY_BODIES = [
+    b"\xff\xfe\x00", b"", b"null", b'"prompt"', b'{"prompt": NaN}', b'{"prompt": "w5", "temperature": NaN}',
+    b'{"prompt": "w5", "top_p": Infinity}', b'{"prompt": "w5", "logit_bias": {"5": 1e309}}',
+    b'{"prompt": "w5", "seed": 100000000000000000000000000000}', b'{"prompt": "w5", "max_tokens": 1e400}',
+    b'{"prompt": [[]]}', b'{"prompt": [[5], []]}', b'{"prompt": [-1]}', b'{"prompt": null}', b'{"prompt": 5}',
+    b'{"prompt": "w5", "stop": [null]}', b'{"prompt": "w5", "stop_token_ids": [-5]}',
+    b'{"prompt": "w5", "logit_bias": {"5": "a"}}', b'{"prompt": "w5", "top_k": 1000000000, "max_tokens": 2}',
+    b'{"prompt": "w5", "stream": true, "stream_options": {"include_usage": "yes"}}',
+    b'{"prompt": "w5", "max_tokens": 100000000000000000000}', b'{"prompt": "w5", "n": 1000}',
+    b'{"messages": [{"role": "user", "content": null}], "max_tokens": 2}',
+    b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}',
+    b'{"messages": [{"role": "user"}], "logprobs": true, "top_logprobs": 21}', b'{"messages": "hi"}',
+]
+
+
+@pytest.mark.parametrize("body", NASTY_BODIES)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_no_input_makes_a_500(server, path, body):
+    response = httpx.post(server.url(path), content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert response.status_code < 500, response.text
+    if response.status_code != 200:
+        assert response.json()["error"]["message"]
+
+
 def test_malformed_json_and_unknown_route(server, client):
     response = httpx.post(server.url("/v1/completions"), content=b"{not json", timeout=30,
                           headers={"content-type": "application/json"})
@@ -235,7 +259,7 @@ def test_malformed_json_and_unknown_route(server, client):
         client.completions.create(model="no-such-model", prompt="w5")
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model="tiny", prompt="w5", max_tokens=10_000)
-    # still healthy and serving
+    # still healthy and serving (also after every input of test_no_input_makes_a_500)
     assert httpx.get(server.url("/health")).status_code == 200
     assert client.completions.create(model="tiny", prompt="w5", **GREEDY).usage.completion_tokens == 24
 
