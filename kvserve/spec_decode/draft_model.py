@@ -27,7 +27,8 @@ _DRAFT_SEED_OFFSET = 104729
 class DraftModelProposer:
     def __init__(self, draft_model: str, target_config: ModelConfig, engine_config: EngineConfig, **_: object) -> None:
         device = torch.device(engine_config.device)
-        model, self.config = load_model(resolve_model_path(draft_model), engine_config.torch_dtype, device)
+        model, self.config = load_model(resolve_model_path(draft_model), engine_config.torch_dtype, device,
+                                        engine_config.quant.quantization, engine_config.quant.group_size)
         if abs(self.config.vocab_size - target_config.vocab_size) > 1024:
             raise ValueError(f"draft vocab {self.config.vocab_size} differs from the target's "
                              f"{target_config.vocab_size}: the draft must share the target's tokenizer")
@@ -36,7 +37,8 @@ class DraftModelProposer:
 
         info = size_kv_cache(engine_config, self.config)
         self.kv = KVCacheManager(info.num_blocks, info.block_size, enable_prefix_caching=False)
-        self.runner = ModelRunner(model, self.config, get_backend(device), info.num_blocks, info.block_size,
+        self.runner = ModelRunner(model, self.config, get_backend(device, engine_config.cache.kv_cache_dtype),
+                                  info.num_blocks, info.block_size,
                                   engine_config.torch_dtype, device, engine_config.seed + _DRAFT_SEED_OFFSET)
         self._computed: dict[str, int] = {}
 
