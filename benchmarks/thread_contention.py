@@ -39,10 +39,12 @@ def stop(proc: subprocess.Popen) -> None:
 
 def worker(args: argparse.Namespace) -> None:
     """Read '<threads> <quiet|busy>' lines from stdin; answer each with one JSON line."""
-    import torch
-
-    from kvserve import LLM, SamplingParams
+    # kvserve first (isort would put torch first): it sets the OpenMP wait policy before torch loads.
+    from kvserve import LLM, SamplingParams  # noqa: I001
     from kvserve.bench.workloads import random_requests
+    from kvserve.worker.threads import openmp_waits_passively
+
+    import torch
 
     llm = LLM(dtype=args.dtype, kv_cache_memory_bytes=1024**3)
     vocab = llm.engine.core.model_config.vocab_size
@@ -62,7 +64,8 @@ def worker(args: argparse.Namespace) -> None:
         finally:
             if busy is not None:
                 stop(busy)
-        print(json.dumps({"tokens_per_s": rate, "load": os.getloadavg()[0]}), flush=True)
+        print(json.dumps({"tokens_per_s": rate, "load": os.getloadavg()[0], "passive": openmp_waits_passively()}),
+              flush=True)
 
 
 def openmp_env(policy: str) -> dict[str, str]:
@@ -115,7 +118,8 @@ def measure(args: argparse.Namespace) -> dict[tuple[str, int], dict[str, list[fl
             row = ask(workers[policy], n, condition)
             rates[(policy, n)][condition].append(row["tokens_per_s"])
             print(f"  threads={n} wait={policy:8} {condition:5} {row['tokens_per_s']:7.1f} tok/s "
-                  f"(load avg {row['load']:.1f})", file=sys.stderr, flush=True)
+                  f"(load avg {row['load']:.1f}; idle threads {'sleep' if row['passive'] else 'spin'})",
+                  file=sys.stderr, flush=True)
     finally:
         for proc in workers.values():
             proc.stdin.close()

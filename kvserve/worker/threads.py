@@ -45,7 +45,8 @@ def prepare_openmp(environ: MutableMapping[str, str], torch_loaded: bool) -> boo
     """
     if WAIT_POLICY not in environ and not torch_loaded:
         environ[WAIT_POLICY] = "PASSIVE"
-    return environ.get(WAIT_POLICY, "").strip().upper() == "PASSIVE"
+    spin_count = environ.get("GOMP_SPINCOUNT", "").strip()  # GNU OpenMP: overrides the policy's spinning
+    return environ.get(WAIT_POLICY, "").strip().upper() == "PASSIVE" and spin_count in ("", "0")
 
 
 def available_cpus() -> int:
@@ -113,6 +114,11 @@ def _apply(num_threads: int) -> None:
 
 # Decided once, when kvserve is imported (kvserve/__init__.py imports this module first).
 _SETTINGS = ThreadSettings(prepare_openmp(os.environ, torch_loaded="torch" in sys.modules))
+
+
+def openmp_waits_passively() -> bool:
+    """Whether this process's OpenMP threads sleep (True) or spin while they wait."""
+    return _SETTINGS.passive_wait
 
 
 def configure_threads(requested: int | None = None) -> ThreadChoice:

@@ -27,6 +27,12 @@ def test_the_users_policy_is_kept(policy, passive):
     assert env == {"OMP_WAIT_POLICY": policy}
 
 
+def test_a_gnu_spin_count_means_spinning():
+    env = {"GOMP_SPINCOUNT": "300000"}
+    assert prepare_openmp(env, torch_loaded=False) is False
+    assert prepare_openmp({"GOMP_SPINCOUNT": "0"}, torch_loaded=False) is True
+
+
 @pytest.mark.parametrize("cpus, passive, expected", [(2, True, 2), (16, True, 16), (1, False, 1), (2, False, 1),
                                                      (16, False, 15)])
 def test_default_uses_every_core_only_when_idle_threads_sleep(cpus, passive, expected):
