@@ -75,7 +75,8 @@ class Server:
 # ---- the engines ---------------------------------------------------------------------------------
 
 def kvserve_server(args: argparse.Namespace, workload: Workload, port: int) -> Server:
-    cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--dtype", "bfloat16", "--port", str(port),
+    cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--dtype", "bfloat16", "--quantization", "none",
+           "--port", str(port),
            "--max-num-seqs", str(max(64, workload.num_requests)), "--kv-cache-memory", "2", *args.kvserve_args]
     return Server("kvserve", cmd, port, env={"PYTHONPATH": str(REPO)})
 
@@ -208,21 +209,35 @@ def bench_serve(server: Server, workload: Workload, vocab_size: int) -> dict:
     return json.loads(out.stdout)
 
 
+# Spins on one core until its parent is gone: `taskset -c N sh -c 'while :; do :; done'` that cannot be orphaned.
+BUSY_LOOP = "import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])}); parent = os.getppid()\nwhile os.getppid() == parent: pass"
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def measure(engine: str, workload: Workload, args: argparse.Namespace) -> dict:
     server = ENGINES[engine](args, workload, free_port())
     print(f"[{engine} {workload.name}] {' '.join(server.cmd)}", file=sys.stderr, flush=True)
     with open(args.workdir / f"{engine}-{workload.name}.log", "w") as log:
         proc = subprocess.Popen(server.cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **server.env})
+        busy = None
         try:
             startup = wait_healthy(server, proc)
+            if args.busy_core is not None:
+                busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(args.busy_core)])
             result = bench_serve(server, workload, args.vocab_size)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    return {"engine": engine, "workload": workload.name, "startup_s": startup, **result}
+            for p in (busy, proc):
+                if p is not None:
+                    stop(p)
+    busy_core = {} if args.busy_core is None else {"busy_core": args.busy_core}
+    return {"engine": engine, "workload": workload.name, "startup_s": startup, **busy_core, **result}
 
 
 # ---- report --------------------------------------------------------------------------------------
@@ -254,6 +269,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kvserve-args", type=str.split, default=[], help="extra `kvserve serve` flags, one string")
     p.add_argument("--llama-cpp-args", type=str.split, default=[], help="extra llama-server flags, one string")
     p.add_argument("--vllm-args", type=str.split, default=[], help="extra vLLM server flags, one string")
+    p.add_argument("--busy-core", type=int, default=None,
+                   help="keep this core busy (a pinned busy loop) while the load runs: the shared-machine case")
     p.add_argument("--out", type=Path, default=None, help="also write every result as JSON here")
     return p.parse_args(argv)
 

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/startup_time.py                 # serve --dtype bfloat16, 3 starts
     .venv/bin/python benchmarks/startup_time.py --breakdown     # also time each loading stage in-process
+    .venv/bin/python benchmarks/startup_time.py --quantization none   # bf16 dense: GGUF blocks dequantized
 
 The breakdown runs the stages the server runs, in order, in a fresh process (so imports count),
 with the caches (converted tokenizer, compiled kernel) already warm as they are after a first start.
@@ -31,7 +32,8 @@ path = verified_default_model_path(); lap("sha256 of the GGUF file")
 from kvserve.model import gguf_file
 gguf_file._reader(path); lap("GGUF metadata parse (gguf.GGUFReader)")
 from kvserve.model.loader import load_model
-model, cfg = load_model(path, getattr(torch, sys.argv[1]), torch.device("cpu")); lap("dequantize + fill weights")
+quant = None if sys.argv[2] == "default" else sys.argv[2]
+model, cfg = load_model(path, getattr(torch, sys.argv[1]), torch.device("cpu"), quant); lap("build model, fill weights")
 from kvserve.frontend.tokenizer import load_tokenizer
 load_tokenizer(path); lap("tokenizer (cached conversion)")
 from kvserve.model.attention.cpu_kernels import load_cpu_kernels
@@ -69,8 +71,9 @@ def time_to_health(dtype: str, extra: list[str], timeout: float = 300.0) -> floa
         proc.wait(timeout=30)
 
 
-def breakdown(dtype: str) -> dict[str, float]:
-    out = subprocess.run([sys.executable, "-c", BREAKDOWN, dtype], capture_output=True, text=True, check=True)
+def breakdown(dtype: str, quantization: str) -> dict[str, float]:
+    out = subprocess.run([sys.executable, "-c", BREAKDOWN, dtype, quantization], capture_output=True, text=True,
+                         check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -79,13 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--starts", type=int, default=3)
     p.add_argument("--breakdown", action="store_true")
+    p.add_argument("--quantization", default="default", help="none, int8, int4 (default: the checkpoint's own)")
     p.add_argument("--serve-args", type=str.split, default=[], help="extra `kvserve serve` flags, one string")
     args = p.parse_args(argv)
+    if args.quantization != "default":
+        args.serve_args = ["--quantization", args.quantization, *args.serve_args]
     for i in range(args.starts):
         seconds = time_to_health(args.dtype, args.serve_args)
         print(f"start {i + 1}: /health 200 after {seconds:.1f} s (load avg {os.getloadavg()[0]:.1f})", flush=True)
     if args.breakdown:
-        stages = breakdown(args.dtype)
+        stages = breakdown(args.dtype, args.quantization)
         for name, seconds in stages.items():
             print(f"  {name:48} {seconds:6.2f} s")
         print(f"  {'total':48} {sum(stages.values()):6.2f} s (load avg {os.getloadavg()[0]:.1f})")

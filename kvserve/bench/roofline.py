@@ -2,7 +2,8 @@
 
 Measures the machine (``planner.hardware.measure_local``: a large copy, a matmul in the dtype, with
 every available core), prices the model with the planner's arithmetic (``planner.roofline``), then
-runs the engine twice over seeded token-id prompts, greedy, EOS ignored:
+runs the engine with dense weights in the dtype (``quantization="none"``: a GGUF file's blocks are
+dequantized) over seeded token-id prompts, greedy, EOS ignored:
 
 * single-stream decode: one request; decode tokens/s (after the first token) against the
   memory bound ``bandwidth / bytes per decode step`` (all weights + that request's KV);
@@ -138,7 +139,8 @@ def run(args) -> int:
     hardware = measure_machine(args.dtype, args.copy_mib, args.measure_seconds)
     threads = configure_threads(args.num_threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=max(batch_sizes),
+    # Dense weights in the dtype (GGUF blocks dequantized), as the planner prices them here.
+    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=max(batch_sizes), quantization="none",
               kv_cache_memory_bytes=int(args.kv_cache_memory * 1024**3))
     setup = model_setup(llm.engine.core.model_path, hardware, args.dtype, llm.engine.core.kv_info.block_size)
     llm.generate(*_requests(llm, 1, 16, 4, args.seed), use_tqdm=False)  # warm-up: kernels, allocator
