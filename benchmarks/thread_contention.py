@@ -1,7 +1,7 @@
 """W1 throughput with a quiet machine vs with one busy-looping process pinned to one core.
 
-W1: 32 requests at once, prompt 128, output 128, greedy, EOS ignored, bf16, through the offline
-engine. The busy loop is what ``taskset -c 1 sh -c 'while :; do :; done'`` does.
+W1: 32 requests at once, prompt 128, output 128, greedy, EOS ignored, dense bf16 weights, no prefix
+caching (each run prefills again), through the offline engine. The busy loop is what ``taskset -c 1 sh -c 'while :; do :; done'`` does.
 
 One worker process per OpenMP setting (OMP_WAIT_POLICY / GOMP_SPINCOUNT must be in the environment
 before torch loads OpenMP) loads the engine once; the parent then asks the workers for runs in an interleaved
@@ -46,7 +46,8 @@ def worker(args: argparse.Namespace) -> None:
 
     import torch
 
-    llm = LLM(dtype=args.dtype, kv_cache_memory_bytes=1024**3)
+    # No prefix caching: every run repeats the same prompts and must prefill them again.
+    llm = LLM(dtype=args.dtype, quantization="none", kv_cache_memory_bytes=1024**3, enable_prefix_caching=False)
     vocab = llm.engine.core.model_config.vocab_size
     reqs = random_requests(args.num_requests, (args.prompt_len,) * 2, (args.output_len,) * 2, vocab, seed=0)
     prompts = [r.prompt_token_ids for r in reqs]

@@ -139,9 +139,10 @@ def run(args) -> int:
     hardware = measure_machine(args.dtype, args.copy_mib, args.measure_seconds)
     threads = configure_threads(args.num_threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    # Dense weights in the dtype (GGUF blocks dequantized), as the planner prices them here.
+    # Dense weights in the dtype (GGUF blocks dequantized), as the planner prices them here; no prefix
+    # caching, since the runs share prompts and every prefill FLOP is counted.
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=max(batch_sizes), quantization="none",
-              kv_cache_memory_bytes=int(args.kv_cache_memory * 1024**3))
+              enable_prefix_caching=False, kv_cache_memory_bytes=int(args.kv_cache_memory * 1024**3))
     setup = model_setup(llm.engine.core.model_path, hardware, args.dtype, llm.engine.core.kv_info.block_size)
     llm.generate(*_requests(llm, 1, 16, 4, args.seed), use_tqdm=False)  # warm-up: kernels, allocator
     single = run_single_stream(llm, setup, args.prompt_len, args.single_output_len, args.seed)
