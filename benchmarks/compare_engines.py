@@ -116,17 +116,29 @@ def run(cmd: list, **kw) -> None:
     subprocess.run([str(c) for c in cmd], check=True, **kw)
 
 
+EXPORT_HF = r"""
+import json, sys
+from pathlib import Path
+import torch
+from safetensors.torch import save_file
+from kvserve.frontend.tokenizer import load_tokenizer
+from kvserve.model import gguf_file
+from kvserve.model.default_model import verified_default_model_path
+out, gguf = Path(sys.argv[1]), verified_default_model_path()
+out.mkdir(parents=True, exist_ok=True)
+config = gguf_file.read_config(gguf)
+weights = {name: t.to(torch.bfloat16).contiguous() for name, t in gguf_file.iter_weights(gguf, config)}
+save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+(out / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}, indent=2))
+load_tokenizer(gguf).save_pretrained(str(out))
+"""
+
+
 def export_hf_model(workdir: Path) -> Path:
-    """The bundled GGUF dequantized to an HF folder in bf16 (what vLLM and convert_hf_to_gguf read)."""
+    """The bundled GGUF dequantized (by kvserve's reader, Q/K rows un-permuted) to an HF folder in bf16."""
     out = workdir / "model-hf"
-    if (out / "config.json").is_file():
-        return out
-    code = ("import sys, torch; from transformers import AutoModelForCausalLM, AutoTokenizer; "
-            "from kvserve.model.default_model import verified_default_model_path as p; g = p(); "
-            "m = AutoModelForCausalLM.from_pretrained(str(g.parent), gguf_file=g.name, dtype=torch.bfloat16); "
-            "m.save_pretrained(sys.argv[1]); "
-            "AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name).save_pretrained(sys.argv[1])")
-    run([sys.executable, "-c", code, out], env={**os.environ, "PYTHONPATH": str(REPO)})
+    if not (out / "config.json").is_file():
+        run([sys.executable, "-c", EXPORT_HF, out], env={**os.environ, "PYTHONPATH": str(REPO)})
     return out
 
 
