@@ -113,11 +113,13 @@ class AsyncEngineClient:
         self.stats = stats
         self.info: ModelInfo | None = None
         self.error: BaseException | None = None
-        self.snapshot = EngineSnapshot()
+        # The engine thread publishes (snapshot, sequences admitted) as one tuple, so a reader never
+        # sees a request counted in neither, which would let --max-queue be exceeded.
+        self._published: tuple[EngineSnapshot, int] = (EngineSnapshot(), 0)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._submitted = 0  # sequences submitted; written by the event loop only
-        self._admitted = 0  # sequences the engine has picked up; written by the engine thread only
+        self._admitted = 0  # sequences the engine has picked up; engine thread only, published with snapshots
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -160,9 +162,14 @@ class AsyncEngineClient:
 
     # ---- requests (event loop side) ----------------------------------------------------------
     @property
+    def snapshot(self) -> EngineSnapshot:
+        return self._published[0]
+
+    @property
     def num_waiting(self) -> int:
         """Requests queued but not yet running, including adds the engine has not picked up yet."""
-        return self.snapshot.num_waiting + (self._submitted - self._admitted)
+        snapshot, admitted = self._published
+        return snapshot.num_waiting + (self._submitted - admitted)
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Queue a request now; iterate the returned stream for its cumulative outputs.
@@ -271,12 +278,12 @@ class AsyncEngineClient:
         self._to_loop(self._deliver_error, None, EngineDeadError("the server is shutting down"))
 
     def _publish(self, engine: LLMEngine, outputs: list[RequestOutput] | None = None) -> None:
-        core = engine.core
-        self.snapshot = EngineSnapshot.of(core)
+        snapshot = EngineSnapshot.of(engine.core)
+        self._published = (snapshot, self._admitted)
         if self.stats is not None:
             if outputs:
                 self.stats.on_outputs(outputs, time.perf_counter())
-            self.stats.on_snapshot(self.snapshot)
+            self.stats.on_snapshot(snapshot)
         if outputs:
             self._to_loop(self._deliver, outputs)
 

@@ -277,9 +277,11 @@ def test_metrics_exposition(server, client):
 
 # ---- a second server: API key, overload, graceful shutdown -------------------------------------
 @pytest.fixture(scope="module")
-def guarded(model_dir):
-    proc = ServerProcess([str(model_dir), *ENGINE_ARGS, "--api-key", "sesame", "--max-queue", "1",
-                          "--max-num-seqs", "1"])
+def guarded(tmp_path_factory):
+    # A long context, so one request runs for ~10 s: the overload test must not race its end.
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny-long"), "LlamaForCausalLM", max_position_embeddings=4096)
+    proc = ServerProcess([str(path), *ENGINE_ARGS, "--api-key", "sesame", "--max-queue", "1",
+                          "--max-num-seqs", "1", "--max-model-len", "4096", "--num-kv-blocks", "600"])
     yield proc
     proc.stop()
 
@@ -299,10 +301,12 @@ def test_api_key_required(guarded):
 
 def test_overload_answers_429_at_once(guarded):
     headers = {"Authorization": "Bearer sesame"}
-    body = {"prompt": "w5", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    # 4000 tokens keep the one running slot busy for seconds; closing the streams aborts them.
+    body = {"prompt": "w5", "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=guarded.base_url, headers=headers, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json=body) as running:
-            next(running.iter_lines())  # the first request is running (max-num-seqs 1) ...
+            lines = running.iter_lines()  # kept: a discarded iterator closes the response, aborting it
+            next(lines)  # the first request is running (max-num-seqs 1) ...
             with http.stream("POST", "/v1/completions", json=body) as waiting:  # ... the second waits
                 assert waiting.status_code == 200
                 refused = http.post("/v1/completions", json=body)
