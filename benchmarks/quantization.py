@@ -30,6 +30,7 @@ TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "alice29.txt"
 FORMS = {  # name -> engine options
     "bf16 (dequantized)": {"quantization": "none"},
     "int8": {"quantization": "int8"},
+    "int8 per channel": {"quantization": "int8", "quantization_group_size": -1},
     "int4 g32": {"quantization": "int4", "quantization_group_size": 32},
     "int4 g128": {"quantization": "int4", "quantization_group_size": 128},
     "native Q4_1": {},
@@ -75,7 +76,7 @@ def run_ppl(args) -> dict:
 
 def run_memory(args) -> dict:
     out = {"weights": {}, "kv": {}}
-    for name in ("bf16 (dequantized)", "int8", "int4 g32", "int4 g128", "native Q4_1"):
+    for name in ("bf16 (dequantized)", "int8", "int8 per channel", "int4 g32", "int4 g128", "native Q4_1"):
         llm = make_llm(FORMS[name], kv_budget=args.kv_budget)
         out["weights"][name] = llm.engine.core.memory.weight_bytes
         if name == "bf16 (dequantized)":
@@ -109,7 +110,7 @@ def run_parity(args) -> dict:
     forced = [o.prompt_token_ids + o.token_ids for o in outs]
     del base_llm
     out = {}
-    for name in ("int8", "native Q4_1", "int4 g32", "bf16 + kv int8", "bf16 + kv fp8"):
+    for name in ("int8", "int8 per channel", "native Q4_1", "int4 g32", "bf16 + kv int8", "bf16 + kv fp8"):
         llm = make_llm(FORMS[name], dtype=args.parity_dtype)
         got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         same = sum(a == b for a, b in zip(got, base))

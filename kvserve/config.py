@@ -14,7 +14,7 @@ import torch
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 QUANTIZATIONS = ("none", "int8", "int4")
-QUANT_GROUP_SIZES = (32, 64, 128)
+QUANT_GROUP_SIZES = (-1, 32, 64, 128)  # -1: one scale per output channel (int8 only)
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -138,13 +138,13 @@ class QuantConfig:
     None (unset): keep a GGUF file's own block quantization (Q4_0/Q4_1/Q4_K as int4, Q8_0/Q5/Q6_K as
     int8 kernels); float checkpoints stay in the engine dtype.
     "none": everything dense in the engine dtype (GGUF blocks dequantized at load).
-    "int8": weight-only int8, one scale per output channel (or per ``group_size`` inputs).
+    "int8": weight-only int8, a scale per ``group_size`` inputs (default 32; -1 = per output channel).
     "int4": weight-only int4 with zero points per ``group_size`` inputs (default 32; see quant/plan.py).
-    Both round to nearest at load; the vocabulary embedding / tied head becomes int8 per row.
+    Both round to nearest at load.
     """
 
     quantization: str | None = None
-    group_size: int | None = None  # 32, 64 or 128; None = per channel (int8) or 32 (int4)
+    group_size: int | None = None  # -1 (per channel, int8), 32, 64 or 128; None = 32
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -154,6 +154,8 @@ class QuantConfig:
             raise ValueError(f"quantization_group_size={self.group_size} must be one of {list(QUANT_GROUP_SIZES)}")
         if self.group_size is not None and self.quantization not in ("int8", "int4"):
             raise ValueError(f"quantization_group_size={self.group_size} needs quantization='int8' or 'int4'")
+        if self.group_size == -1 and self.quantization != "int8":
+            raise ValueError("quantization_group_size=-1 (one scale per output channel) is for quantization='int8'")
 
 
 @dataclass(frozen=True)

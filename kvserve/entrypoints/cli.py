@@ -28,7 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="speculate only while at most this many requests are decoding")
     p.add_argument("--quantization", choices=["none", "int8", "int4"], default=None,
                    help="weights: unset keeps a GGUF file's own 4/8-bit blocks; none = dense dtype; int8/int4 at load")
-    p.add_argument("--quantization-group-size", type=int, default=None, choices=[32, 64, 128])
+    p.add_argument("--quantization-group-size", type=int, default=None, choices=[-1, 32, 64, 128],
+                   help="inputs per scale for int8/int4 (default 32); -1 = one scale per output channel (int8)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"], default="auto",
                    help="KV cache values: auto = model dtype; int8 / fp8 (e4m3) with a scale per token and head")
     p.add_argument("--num-threads", type=int, default=None,

@@ -5,6 +5,7 @@ prefix caching and speculative decoding, and the memory report."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,7 @@ from kvserve.eval.perplexity import perplexity, sliding_windows
 from tests.conftest import TINY_VOCAB, assert_no_leak
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+ALICE = Path(__file__).resolve().parents[1] / "data" / "alice29.txt"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Water boils at",
            "Here is a recipe for pancakes:", "The largest planet in the solar system is"]
 
@@ -51,13 +53,25 @@ def test_native_gguf_matches_dequantized(default_llm, dequantized):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options, min_identical", [({"quantization": "int8"}, 3),
-                                                    ({"quantization": "int4", "quantization_group_size": 32}, 3)])
-def test_quantized_greedy_mostly_matches_dequantized(dequantized, options, min_identical):
-    llm = LLM(kv_cache_memory_bytes=64 * 2**20, **options)
+def test_int8_greedy_mostly_matches_dequantized(dequantized):
+    llm = LLM(kv_cache_memory_bytes=64 * 2**20, quantization="int8")
     got, want = _tokens(llm, PROMPTS), _tokens(dequantized, PROMPTS)
-    assert sum(a == b for a, b in zip(got, want)) >= min_identical
+    assert sum(a == b for a, b in zip(got, want)) >= len(PROMPTS) // 2
     assert sum(a[0] == b[0] for a, b in zip(got, want)) >= len(PROMPTS) - 1  # first tokens nearly all agree
+    assert llm.engine.core.memory.weight_bytes < 0.55 * dequantized.engine.core.memory.weight_bytes / 2
+    assert_no_leak(llm)
+
+
+@pytest.mark.slow
+def test_int4_perplexity_and_bytes(dequantized):
+    # int4 re-quantizes everything, the embedding / tied head too (groups of 16, importance-weighted
+    # clip search): under 0.3x the bf16 bytes, at a few percent of perplexity.
+    llm = LLM(kv_cache_memory_bytes=64 * 2**20, quantization="int4")
+    ids = llm.get_tokenizer().encode(ALICE.read_text()[:12000], add_special_tokens=False)[:2048]
+    base, quant = perplexity(dequantized, ids, 1024, 512), perplexity(llm, ids, 1024, 512)
+    assert quant.perplexity < 1.06 * base.perplexity, (quant.perplexity, base.perplexity)
+    assert llm.engine.core.memory.weight_bytes < 0.3 * dequantized.engine.core.memory.weight_bytes / 2
+    assert "int4-g16-coded-clip" in llm.engine.core.memory.quantization
     assert_no_leak(llm)
 
 
@@ -154,9 +168,7 @@ def test_sliding_windows_score_every_token_once():
 
 @pytest.mark.slow
 def test_perplexity_of_default_model_native_and_kv_int8(default_llm):
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parents[1] / "data" / "alice29.txt").read_text()
+    text = ALICE.read_text()
     ids = default_llm.get_tokenizer().encode(text, add_special_tokens=False)[:768]
     native = perplexity(default_llm, ids, window=256, stride=128)
     assert native.tokens_scored == len(ids) - 1

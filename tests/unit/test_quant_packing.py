@@ -32,14 +32,58 @@ def test_int8_round_to_nearest_error_bound(group):
     assert q.abs().max() <= 127
 
 
-@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("group", [16, 32, 64, 128])
 def test_int4_round_to_nearest_error_bound(group):
     w = torch.randn(48, 256) * 0.1
-    packed, scales, zeros = packing.quantize_int4(w, group)
+    packed, scales, zeros, factors = packing.quantize_int4(w, group)
+    assert factors is None and scales.dtype == zeros.dtype == torch.float16
     back = packing.dequantize(packed, scales, zeros, 4, torch.float32)
     step = scales.float().repeat_interleave(group, dim=1)
     # half a step, plus the float16 rounding of the zero point
     assert ((back - w).abs() <= step / 2 + zeros.float().abs().repeat_interleave(group, dim=1) * 2**-10 + 1e-6).all()
+
+
+@pytest.mark.parametrize("group", [16, 32])
+def test_int4_coded_parameters(group):
+    torch.manual_seed(0)
+    w = torch.randn(48, 256) * torch.logspace(-2, 0, 48)[:, None]  # rows of very different scale
+    packed, codes, zero_codes, factors = packing.quantize_int4(w, group, coded=True)
+    assert codes.dtype == torch.uint8 and zero_codes.dtype == torch.int8 and factors.shape == (48, 2)
+    back = packing.dequantize(packed, codes, zero_codes, 4, torch.float32, factors)
+    scale, zero = packing.decode_params(codes, zero_codes, factors)
+    g = w.reshape(48, -1, group)
+    low, high = g.amin(-1), g.amax(-1)
+    # Rounding error: half a (coded) step, plus how far the coded range misses [low, high]
+    miss = torch.maximum((zero - low).abs(), (zero + 15 * scale - high).abs())
+    bound = (scale / 2 + miss).repeat_interleave(group, dim=1)
+    assert ((back - w).abs() <= bound + 1e-6).all()
+    assert (back - w).abs().mean() < 0.3 * scale.mean()  # mostly the int4 rounding itself
+    fp16 = packing.dequantize(*packing.quantize_int4(w, group)[:3], 4, torch.float32)
+    assert ((back - w) ** 2).mean() < 1.2 * ((fp16 - w) ** 2).mean()  # codes cost little accuracy
+
+
+def test_int4_clip_search_lowers_the_error():
+    torch.manual_seed(1)
+    w = torch.randn(64, 256)
+    errors = []
+    for search in (False, True):
+        packed, s, z, f = packing.quantize_int4(w, 16, coded=True, search=search)
+        errors.append(((packing.dequantize(packed, s, z, 4, torch.float32, f) - w) ** 2).mean())
+    plain, searched = errors
+    assert searched < 0.97 * plain, (searched, plain)
+
+
+def test_int4_importance_weights_the_error_where_it_matters():
+    torch.manual_seed(2)
+    w = torch.randn(64, 256)
+    importance = torch.ones(256)
+    importance[::4] = 50.0  # every fourth input matters much more (a large norm weight before it)
+    weighted_errors = []
+    for imp in (None, importance):
+        packed, s, z, f = packing.quantize_int4(w, 16, coded=True, search=True, importance=imp)
+        err = (packing.dequantize(packed, s, z, 4, torch.float32, f) - w) ** 2
+        weighted_errors.append((err * importance).mean())
+    assert weighted_errors[1] < 0.9 * weighted_errors[0], weighted_errors
 
 
 def _kernels():
@@ -49,25 +93,29 @@ def _kernels():
     return kernels
 
 
-@pytest.mark.parametrize("bits, group, zeros", [(4, 32, True), (4, 64, True), (8, 96, False), (8, 16, False),
-                                                (8, 32, True)])
+@pytest.mark.parametrize("bits, group, zeros, coded", [(4, 32, True, False), (4, 64, True, False), (4, 32, True, True),
+                                                       (4, 16, True, True), (8, 96, False, False),
+                                                       (8, 16, False, False), (8, 32, True, False)])
 @pytest.mark.parametrize("rows", [1, 3, 5, 70])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_reference(bits, group, zeros, rows, dtype):
+def test_kernel_matches_reference(bits, group, zeros, coded, rows, dtype):
     kernels = _kernels()
     torch.manual_seed(0)
     n, k = 72, 192  # 72: a partial block of 16 output channels
     w = torch.randn(n, k) * 0.1
     if bits == 4:
-        q, s, z = packing.quantize_int4(w, group)
+        q, s, z, f = packing.quantize_int4(w, group, coded=coded)
     else:
         q, s = packing.quantize_int8(w, group)
         z = (torch.randn_like(s.float()) * 0.01).half() if zeros else None
-    ref_w = packing.dequantize(q, s, z, bits, torch.float32)
-    assert torch.equal(kernels.dequantize(q, s, z, group, bits, torch.float32), ref_w)
+        f = None
+    ref_w = packing.dequantize(q, s, z, bits, torch.float32, f)
+    # float16 parameters: q * scale is exact, so the kernel's fused multiply-add matches bit for bit
+    tol = 1e-6 if coded else 0
+    torch.testing.assert_close(kernels.dequantize(q, s, z, f, group, bits, torch.float32), ref_w, rtol=tol, atol=tol)
     x = torch.randn(rows, k).to(dtype)
     for max_fused, max_amx in ((64, 0), (0, 128), (0, 0)):  # fused, AMX (bf16, where present), tiled + at::mm
-        y = kernels.quant_linear(x, q, s, z, group, bits, max_fused, max_amx, 4096)
+        y = kernels.quant_linear(x, q, s, z, f, group, bits, max_fused, max_amx, 4096)
         ref = torch.nn.functional.linear(x.float(), ref_w)
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         assert y.dtype == dtype

@@ -6,7 +6,7 @@ fills every weight through ``load_checkpoint``, routing shards of fused layers b
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -25,6 +25,10 @@ class Linear(torch.nn.Module):
         self.shards = shards or {}
         self.method: QuantMethod | None = None
         self.set_method(get_quant_method("dense"))
+        # How much each input matters to the output, if the model knows (a [in_features] tensor from a
+        # callable, read after loading): the preceding RMSNorm's squared weights, say. Quantizers
+        # that search may weight their rounding error by it.
+        self.input_importance: Callable[[], torch.Tensor] | None = None
 
     def set_method(self, method: QuantMethod) -> None:
         """Swap the weight storage (before loading): drops the old method's tensors, creates the new."""
@@ -100,6 +104,8 @@ def load_checkpoint(model: torch.nn.Module, weights: Iterable[tuple[str, Checkpo
     missing = sorted(n for n in [*targets, *params] if n not in filled)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+    for layer in {id(t[0]): t[0] for t in targets.values()}.values():
+        layer.method.finish_loading(layer)
 
 
 def _linear_targets(model: torch.nn.Module) -> dict[str, tuple[Linear, str, tuple[int, int] | None]]:

@@ -90,6 +90,9 @@ class LlamaForCausalLM(torch.nn.Module):
         self.model = Backbone(cfg, dtype)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        # The output head reads the final norm's output: column j is scaled by that norm's weight j.
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        head.input_importance = lambda: self.model.norm.weight.detach().float() ** 2
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """The built-in methods: dense float, and weight-only int8 / int4 with per-group scales.
 
-``GroupQuant`` stores ``w = q * scale + zero`` with fp16 scales (and zero points) per ``group``
-inputs of each output row (see packing.py for the layouts). One class covers:
-  - "int8": symmetric, one scale per output channel (or per group), round to nearest at load;
-  - "int4": asymmetric (scale + zero point), groups of 32/64/128, round to nearest at load;
+``GroupQuant`` stores ``w = q * scale + zero`` with a scale (and zero point) per ``group`` inputs
+of each output row, as float16 or as 8-bit codes (see packing.py for the layouts). One class covers:
+  - "int8": symmetric, float16 scales per group of 32 (or per output channel), round to nearest;
+  - "int4": asymmetric (scale + zero point), groups of 16/32/64/128, coded scales and zeros, round
+    to nearest (optionally after a clip search) at load;
   - GGUF blocks kept in their own quantization: Q4_0/Q4_1/Q4_K as int4 groups of 32, and
     Q8_0/Q5_0/Q5_1/Q5_K (groups of 32) and Q6_K (groups of 16) as int8, all exact (gguf_blocks.py).
 On the CPU the C++ kernels in csrc/quant_linear.cpp apply it; elsewhere (or without a compiler)
@@ -74,28 +75,36 @@ class Dense(QuantMethod):
 
 
 class GroupQuant(QuantMethod):
-    """Weight-only quantization: ``bits`` 8 or 4, fp16 scales (+ zero points) per ``group`` inputs.
+    """Weight-only quantization: ``bits`` 8 or 4, a scale (+ zero point) per ``group`` inputs.
 
     ``group=None`` means one group per row (per output channel). A layer whose input size the group
     does not divide uses the largest power-of-two fraction of it that does (e.g. 128 -> 64 for K=576).
+    ``coded``: scales and zeros as 8-bit codes of a per-row step instead of float16 (int4 only, 0.5
+    bits per weight less at groups of 32); ``search``: pick each group's clipping range by rounding
+    error rather than taking its [min, max] (int4 only).
     """
 
-    def __init__(self, bits: int, group: int | None, zeros: bool) -> None:
+    def __init__(self, bits: int, group: int | None, zeros: bool, coded: bool = False, search: bool = False) -> None:
         if bits not in (4, 8):
             raise ValueError(f"bits={bits} must be 4 or 8")
-        if bits == 4 and (group is None or group % 32):
-            raise ValueError(f"int4 group size {group} must be a multiple of 32")
+        if bits == 4 and (group is None or group % 16):
+            raise ValueError(f"int4 group size {group} must be a multiple of 16")
+        if bits == 8 and (coded or search):
+            raise ValueError("coded parameters and the clip search are for int4 only")
         self.bits, self.group, self.has_zeros = bits, group, zeros or bits == 4
-        self.name = f"int{bits}" + (f"-g{group}" if group else "")
+        self.coded, self.search = coded, search
+        self.name = (f"int{bits}" + (f"-g{group}" if group else "") + ("-coded" if coded else "")
+                     + ("-clip" if search else ""))
 
     @staticmethod
     def group_for(in_features: int, group: int | None, bits: int) -> int | None:
         """The group size a layer with ``in_features`` inputs uses, or None if it cannot be quantized."""
         if group is None:
             return in_features
-        while group >= (32 if bits == 4 else 16) and in_features % group:
+        while group > 16 and in_features % group:
             group //= 2
-        return group if group >= 16 and in_features % group == 0 and (bits == 8 or group % 32 == 0) else None
+        fits = group >= 16 and group % 16 == 0 and in_features % group == 0
+        return group if fits and (bits == 8 or in_features % 32 == 0) else None
 
     def layer_group(self, layer) -> int:
         group = self.group_for(layer.in_features, self.group, self.bits)
@@ -110,13 +119,27 @@ class GroupQuant(QuantMethod):
             layer.register_buffer("qweight", torch.empty(n, k // 2, dtype=torch.uint8))
         else:
             layer.register_buffer("qweight", torch.empty(n, k, dtype=torch.int8))
-        layer.register_buffer("scales", torch.empty(n, groups, dtype=torch.float16))
-        layer.register_buffer("zeros", torch.empty(n, groups, dtype=torch.float16) if self.has_zeros else None)
+        scale_dtype, zero_dtype = (torch.uint8, torch.int8) if self.coded else (torch.float16, torch.float16)
+        layer.register_buffer("scales", torch.empty(n, groups, dtype=scale_dtype))
+        layer.register_buffer("zeros", torch.empty(n, groups, dtype=zero_dtype) if self.has_zeros else None)
+        layer.register_buffer("factors", torch.empty(n, 2, dtype=torch.float32) if self.coded else None)
 
     def weight_names(self) -> tuple[str, ...]:
-        return ("qweight", "scales", "zeros")
+        return ("qweight", "scales", "zeros", "factors")
 
     def load(self, layer, tensor: CheckpointTensor, rows: tuple[int, int] | None) -> None:
+        if self.search:  # weighted by the layer's input importance, known once everything is loaded
+            dense = tensor if isinstance(tensor, torch.Tensor) else tensor.dequantize()
+            layer._pending_weights = [*getattr(layer, "_pending_weights", []), (dense.float(), rows)]
+            return
+        self._store(layer, tensor, rows)
+
+    def finish_loading(self, layer) -> None:
+        for dense, rows in getattr(layer, "_pending_weights", []):
+            self._store(layer, dense, rows)
+        layer._pending_weights = []
+
+    def _store(self, layer, tensor: CheckpointTensor, rows: tuple[int, int] | None) -> None:
         group = self.layer_group(layer)
         start, count = _dest_rows(layer, rows)
         # A few rows at a time: small temporaries are recycled by the allocator, while big ones are
@@ -124,27 +147,31 @@ class GroupQuant(QuantMethod):
         step = max(1, _LOAD_CHUNK_VALUES // layer.in_features)
         for first in range(0, count, step):
             last = min(first + step, count)
-            q, scales, zeros = self._convert(tensor[first:last], group)
-            layer.qweight[start + first:start + last].copy_(q)
-            layer.scales[start + first:start + last].copy_(scales)
+            q, scales, zeros, factors = self._convert(layer, tensor[first:last], group)
+            rows = slice(start + first, start + last)
+            layer.qweight[rows].copy_(q)
+            layer.scales[rows].copy_(scales)
             if self.has_zeros:
-                layer.zeros[start + first:start + last].copy_(zeros if zeros is not None else torch.zeros_like(scales))
+                layer.zeros[rows].copy_(zeros if zeros is not None else torch.zeros_like(scales))
+            if self.coded:
+                layer.factors[rows].copy_(factors)
 
-    def _convert(self, tensor: CheckpointTensor, group: int):
-        """(qweight, scales, zeros) rows for a float tensor or GGUF blocks: exact for blocks this
-        layout holds (gguf_blocks.py), else dequantize and round to nearest."""
+    def _convert(self, layer, tensor: CheckpointTensor, group: int):
+        """(qweight, scales, zeros, factors) rows for a float tensor or GGUF blocks: exact for blocks
+        this layout holds (gguf_blocks.py), else dequantize and round to nearest."""
         if not isinstance(tensor, torch.Tensor):
-            packed = gguf_blocks.to_group_layout(tensor, self.bits, group, self.has_zeros)
+            packed = None if self.coded else gguf_blocks.to_group_layout(tensor, self.bits, group, self.has_zeros)
             if packed is not None:
-                return packed
+                return (*packed, None)
             tensor = tensor.dequantize()
-        return self.quantize(tensor, group)
+        return self.quantize(layer, tensor, group)
 
-    def quantize(self, w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def quantize(self, layer, w: torch.Tensor, group: int):
         if self.bits == 4:
-            return packing.quantize_int4(w, group)
+            importance = layer.input_importance() if self.search and layer.input_importance else None
+            return packing.quantize_int4(w, group, coded=self.coded, search=self.search, importance=importance)
         q, scales = packing.quantize_int8(w, group)
-        return q, scales, None
+        return q, scales, None, None
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         kernels = load_quant_kernels() if x.device.type == "cpu" else None
@@ -152,18 +179,19 @@ class GroupQuant(QuantMethod):
         if kernels is None:
             y = F.linear(flat, self.dense(layer, x.dtype))
         else:
-            y = kernels.quant_linear(flat.contiguous(), layer.qweight, layer.scales, layer.zeros,
+            y = kernels.quant_linear(flat.contiguous(), layer.qweight, layer.scales, layer.zeros, layer.factors,
                                      self.layer_group(layer), self.bits, _MAX_FUSED_ROWS.get(x.dtype, 8),
                                      _MAX_AMX_ROWS, _TILE_BYTES)
         return y.reshape(*x.shape[:-1], layer.out_features)
 
     def dense(self, layer, dtype: torch.dtype) -> torch.Tensor:
-        return packing.dequantize(layer.qweight, layer.scales, layer.zeros, self.bits, dtype)
+        return packing.dequantize(layer.qweight, layer.scales, layer.zeros, self.bits, dtype, layer.factors)
 
     def embed(self, layer, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         zeros = None if layer.zeros is None else layer.zeros[flat]
-        rows = packing.dequantize(layer.qweight[flat], layer.scales[flat], zeros, self.bits, layer.dtype)
+        factors = None if layer.factors is None else layer.factors[flat]
+        rows = packing.dequantize(layer.qweight[flat], layer.scales[flat], zeros, self.bits, layer.dtype, factors)
         return rows.reshape(*ids.shape, layer.in_features)
 
 
@@ -173,5 +201,5 @@ def int8(group: int | None = None, zeros: bool = False) -> GroupQuant:
 
 
 @register_quant_method("int4")
-def int4(group: int = 32) -> GroupQuant:
-    return GroupQuant(4, group, True)
+def int4(group: int = 32, coded: bool = True, search: bool = False) -> GroupQuant:
+    return GroupQuant(4, group, True, coded, search)

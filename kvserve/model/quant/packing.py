@@ -1,8 +1,13 @@
 """Round-to-nearest quantization and the packed layouts, in plain PyTorch.
 
 A quantized weight is (values, scales, zeros) with ``w[n, k] = q[n, k] * scale[n, k // group] +
-zero[n, k // group]``; scales and zeros are float16, one per ``group`` inputs of a row (per output
-channel when ``group == K``). ``zeros`` is None for symmetric int8.
+zero[n, k // group]``, one scale and zero per ``group`` inputs of a row (per output channel when
+``group == K``); ``zeros`` is None for symmetric int8. Scales and zeros are stored either
+
+  - as float16 (exact for GGUF blocks, 16 + 16 bits per group), or
+  - *coded*: a uint8 scale code and an int8 zero code per group times a per-row float32 step
+    (``factors`` [N, 2]): 8 + 8 bits per group, so int4 in groups of 32 costs 4.5 bits per weight
+    instead of 5 (what takes the bundled model's int4 form under 0.3x its bf16 bytes).
 
 int4 values (0..15) are packed two per byte in 32-value chunks: byte ``16c + j`` of a row holds value
 ``32c + j`` in its low nibble and ``32c + 16 + j`` in its high nibble (llama.cpp's Q4_0 order, so GGUF
@@ -33,15 +38,32 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat((chunks & 15, chunks >> 4), dim=2).reshape(n, half * 2)
 
 
+def decode_params(scales: torch.Tensor, zeros: torch.Tensor | None, factors: torch.Tensor | None):
+    """Float32 (scales, zeros) from their stored form (float16, or codes with per-row ``factors``)."""
+    if factors is None:
+        return scales.float(), None if zeros is None else zeros.float()
+    return (scales.float() * factors[:, :1], None if zeros is None else zeros.float() * factors[:, 1:])
+
+
+def encode_params(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float32 [N, G] scales (> 0) and zeros -> uint8 scale codes, int8 zero codes, factors [N, 2]."""
+    step_s = (scales.amax(dim=-1) / 255).clamp(min=_FP16_TINY)
+    step_z = (zeros.abs().amax(dim=-1) / 127).clamp(min=_FP16_TINY)
+    scale_codes = torch.round(scales / step_s[:, None]).clamp(1, 255).to(torch.uint8)
+    zero_codes = torch.round(zeros / step_z[:, None]).clamp(-127, 127).to(torch.int8)
+    return scale_codes, zero_codes, torch.stack((step_s, step_z), dim=-1).float()
+
+
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
-               dtype: torch.dtype) -> torch.Tensor:
+               dtype: torch.dtype, factors: torch.Tensor | None = None) -> torch.Tensor:
     """The dense [N, K] weight in ``dtype`` (computed in float32)."""
     q = unpack_int4(qweight) if bits == 4 else qweight
     n, k = q.shape
     group = k // scales.shape[1]
-    w = q.float().reshape(n, -1, group) * scales.float()[:, :, None]
-    if zeros is not None:
-        w = w + zeros.float()[:, :, None]
+    s, z = decode_params(scales, zeros, factors)
+    w = q.float().reshape(n, -1, group) * s[:, :, None]
+    if z is not None:
+        w = w + z[:, :, None]
     return w.reshape(n, k).to(dtype)
 
 
@@ -60,11 +82,64 @@ def quantize_int8(w: torch.Tensor, group: int | None = None) -> tuple[torch.Tens
     return q.reshape(w.shape), scales
 
 
-def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric round-to-nearest int4 (0..15) with a scale and a zero point (the group's minimum)."""
+_CLIP_FRACTIONS = tuple(1 - i / 40 for i in range(17))  # shares of a group's range the clip search tries
+_REFITS = 3  # least-squares refits of (scale, zero) after the clip search
+
+
+def quantize_int4(w: torch.Tensor, group: int, coded: bool = False, search: bool = False,
+                  importance: torch.Tensor | None = None):
+    """Asymmetric int4 (0..15) with a scale and a zero point per group, values rounded to nearest.
+
+    Returns (packed, scales, zeros, factors): float16 scales and zeros (factors None), or codes when
+    ``coded``. The range is the group's [min, max]; with ``search``, the centred share of it (see
+    ``_CLIP_FRACTIONS``) whose rounding error is smallest, then (scale, zero) refitted by least
+    squares to the values chosen.
+    """
     g = _grouped(w, group)
+    imp = None if importance is None else importance.float().reshape(1, -1, group)
     low, high = g.amin(dim=-1), g.amax(dim=-1)
-    scales = ((high - low) / 15).clamp(min=_FP16_TINY).half()
-    zeros = low.half()
-    q = torch.round((g - zeros.float()[:, :, None]) / scales.float()[:, :, None]).clamp(0, 15).to(torch.uint8)
-    return pack_int4(q.reshape(w.shape)), scales, zeros
+    scale, zero = _int4_range(low, high)
+    if search:
+        best_error = _int4_error(g, scale, zero, imp)
+        for fraction in _CLIP_FRACTIONS[1:]:
+            cut = (high - low) * (1 - fraction) / 2
+            s, z = _int4_range(low + cut, high - cut)
+            error = _int4_error(g, s, z, imp)
+            better = error < best_error
+            scale, zero = torch.where(better, s, scale), torch.where(better, z, zero)
+            best_error = torch.minimum(error, best_error)
+        for _ in range(_REFITS):
+            scale, zero = _refit(g, _int4_values(g, scale, zero), scale, zero, imp)
+    if coded:
+        stored_scales, stored_zeros, factors = encode_params(scale, zero)
+    else:
+        stored_scales, stored_zeros, factors = scale.half(), zero.half(), None
+    scale, zero = decode_params(stored_scales, stored_zeros, factors)
+    q = _int4_values(g, scale, zero)
+    return pack_int4(q.to(torch.uint8).reshape(w.shape)), stored_scales, stored_zeros, factors
+
+
+def _int4_range(low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return ((high - low) / 15).clamp(min=_FP16_TINY), low
+
+
+def _int4_values(g: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return torch.round((g - zero[:, :, None]) / scale[:, :, None]).clamp(0, 15)
+
+
+def _int4_error(g: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, imp: torch.Tensor | None) -> torch.Tensor:
+    err = (_int4_values(g, scale, zero) * scale[:, :, None] + zero[:, :, None] - g) ** 2
+    return (err if imp is None else err * imp).sum(-1)
+
+
+def _refit(g: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, imp: torch.Tensor | None):
+    """The (weighted) least-squares (scale, zero) for fixed values q, where it lowers the error."""
+    wt = torch.ones_like(g) if imp is None else imp.expand_as(g)
+    total = wt.sum(-1, keepdim=True)
+    qm, gm = (wt * q).sum(-1, keepdim=True) / total, (wt * g).sum(-1, keepdim=True) / total
+    qc = q - qm
+    var = (wt * qc * qc).sum(-1)
+    s = ((wt * qc * (g - gm)).sum(-1) / var.clamp(min=1e-12)).clamp(min=_FP16_TINY)
+    z = gm.squeeze(-1) - s * qm.squeeze(-1)
+    better = (var > 0) & (_int4_error(g, s, z, imp) < _int4_error(g, scale, zero, imp))
+    return torch.where(better, s, scale), torch.where(better, z, zero)

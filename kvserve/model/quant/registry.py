@@ -45,6 +45,10 @@ class QuantMethod(ABC):
     def embed(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of W in the layer's dtype (the embedding lookup)."""
 
+    def finish_loading(self, layer: Linear) -> None:
+        """Called once every checkpoint tensor is in (a method may quantize only now, e.g. to use
+        other weights of the model); the default has nothing left to do."""
+
     def describe(self) -> str:
         return self.name
 

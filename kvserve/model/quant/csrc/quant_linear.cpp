@@ -1,6 +1,8 @@
 // Weight-only quantized matmul for the CPU: y = x W^T, with W stored as int8 or packed int4 values
-// plus fp16 scales (and optional fp16 zero points) per group of `group` inputs:
+// plus a scale (and optional zero point) per group of `group` inputs:
 //     w[n][k] = q[n][k] * scale[n][k / group] + zero[n][k / group]
+// Scales and zeros are either float16, or 8-bit codes of a per-row step (`factors` [N, 2] float32):
+//     scale = scale_code (uint8) * factors[n][0],  zero = zero_code (int8) * factors[n][1]
 //
 // int8: qweight int8 [N, K].
 // int4: qweight uint8 [N, K / 2]. Each row is cut into chunks of 32 values; chunk c is bytes
@@ -30,8 +32,9 @@ constexpr int kFusedRows = 4;  // rows of x that share one pass over the weights
 
 struct QuantWeight {
   const uint8_t* data;
-  const c10::Half* scales;
-  const c10::Half* zeros;  // nullptr: no zero points
+  const void* scales;   // c10::Half, or uint8 codes when `factors` is set
+  const void* zeros;    // c10::Half, or int8 codes when `factors` is set; nullptr: no zero points
+  const float* factors;  // [n, 2] per-row steps of the codes; nullptr: float16 scales and zeros
   int64_t n, k, group;
   int64_t row_bytes(int bits) const { return bits == 4 ? k / 2 : k; }
   int64_t groups() const { return k / group; }
@@ -50,8 +53,20 @@ inline void half_to_float(const c10::Half* src, int64_t count, float* dst) {
 // Float scales and zeros of row n, converted once per row into `buf` (2 * groups floats).
 inline void row_params(const QuantWeight& w, int64_t n, float* buf) {
   const int64_t g = w.groups();
-  half_to_float(w.scales + n * g, g, buf);
-  if (w.zeros) half_to_float(w.zeros + n * g, g, buf + g);
+  if (w.factors) {
+    const uint8_t* sc = static_cast<const uint8_t*>(w.scales) + n * g;
+    const float fs = w.factors[2 * n], fz = w.factors[2 * n + 1];
+    for (int64_t i = 0; i < g; ++i) buf[i] = sc[i] * fs;
+    if (w.zeros) {
+      const int8_t* zc = static_cast<const int8_t*>(w.zeros) + n * g;
+      for (int64_t i = 0; i < g; ++i) buf[g + i] = zc[i] * fz;
+    } else {
+      std::fill(buf + g, buf + 2 * g, 0.f);
+    }
+    return;
+  }
+  half_to_float(static_cast<const c10::Half*>(w.scales) + n * g, g, buf);
+  if (w.zeros) half_to_float(static_cast<const c10::Half*>(w.zeros) + n * g, g, buf + g);
   else std::fill(buf + g, buf + 2 * g, 0.f);
 }
 
@@ -65,7 +80,7 @@ std::vector<int32_t> half_chunk_groups(const QuantWeight& w) {
 // ---- fused dequantize + dot, rows [n0, n1) of W against MB rows of x (float32) ----------------------
 #if defined(__AVX512F__)
 // Chunk c (values 32c .. 32c + 31) of a row, dequantized: lo = values 0-15, hi = 16-31 of the chunk;
-// g0 / g1: the groups of the two halves (equal unless int8 groups of 16).
+// g0 / g1: the groups of the two halves (equal unless groups of 16).
 template <int BITS>
 inline void dequant_chunk(const uint8_t* row, int64_t c, const float* params, int64_t groups, int64_t g0, int64_t g1,
                           __m512& lo, __m512& hi) {
@@ -138,12 +153,14 @@ template <int BITS>
 void fused_rows_scalar(const QuantWeight& w, const float* x, int64_t ldx, int64_t mb, int64_t n0, int64_t n1,
                        float* y, int64_t ldy) {
   const int64_t num_groups = w.groups();
+  std::vector<float> params(2 * num_groups);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w.data + n * w.row_bytes(BITS);
+    row_params(w, n, params.data());
     for (int64_t m = 0; m < mb; ++m) {
       float acc = 0.f;
       for (int64_t g = 0; g < num_groups; ++g) {
-        const float s = w.scales[n * num_groups + g], z = w.zeros ? float(w.zeros[n * num_groups + g]) : 0.f;
+        const float s = params[g], z = params[num_groups + g];
         for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) acc += (value_at<BITS>(row, k) * s + z) * x[m * ldx + k];
       }
       y[m * ldy + n] = acc;
@@ -155,7 +172,7 @@ template <int BITS>
 void fused_block(const QuantWeight& w, const int32_t* group_of, const float* x, int64_t ldx, int64_t mb, int64_t n0,
                  int64_t n1, float* y, int64_t ldy) {
 #if defined(__AVX512F__)
-  if (w.group % 16 == 0 && (BITS == 8 || w.group % 32 == 0)) {
+  if (w.group % 16 == 0) {
     switch (mb) {
       case 1: return fused_rows<BITS, 1>(w, group_of, x, ldx, n0, n1, y, ldy);
       case 2: return fused_rows<BITS, 2>(w, group_of, x, ldx, n0, n1, y, ldy);
@@ -215,17 +232,15 @@ void dequant_rows(const QuantWeight& w, int64_t n0, int64_t n1, T* out) {
       const int64_t k_end = k + w.group;
 #if defined(__AVX512F__)
       const __m512 sv = _mm512_set1_ps(s), zv = _mm512_set1_ps(z);
-      for (; k + 32 <= k_end; k += 32) {
+      for (; k % 16 == 0 && k + 16 <= k_end; k += 16) {  // 16 values: half a 32-value chunk
+        __m512i v;
         if (BITS == 4) {
-          const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2)));
-          store16(dst + k, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))), sv, zv));
-          store16(dst + k + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), sv, zv));
+          v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (k / 32) * 16)));
+          v = (k % 32) ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(15));
         } else {
-          for (int h = 0; h < 32; h += 16) {
-            const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k + h)));
-            store16(dst + k + h, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), sv, zv));
-          }
+          v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k)));
         }
+        store16(dst + k, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), sv, zv));
       }
 #endif
       for (; k < k_end; ++k) dst[k] = static_cast<T>(value_at<BITS>(row, k) * s + z);
@@ -410,31 +425,41 @@ at::Tensor amx_linear(const QuantWeight& w, const at::Tensor& x) {
 #endif
 
 QuantWeight check_weight(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
-                         int64_t group, int64_t bits) {
+                         const c10::optional<at::Tensor>& factors, int64_t group, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous(), "qweight and scales must be contiguous");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf, "scales must be float16");
+  const bool coded = factors.has_value() && factors->defined();
+  TORCH_CHECK(scales.scalar_type() == (coded ? at::kByte : at::kHalf),
+              coded ? "coded scales must be uint8" : "scales must be float16");
   const int64_t n = qweight.size(0), k = bits == 4 ? qweight.size(1) * 2 : qweight.size(1);
   TORCH_CHECK(group > 0 && k % group == 0 && scales.size(0) == n && scales.size(1) == k / group, "bad group layout");
-  TORCH_CHECK(bits == 8 || group % 32 == 0, "int4 groups must be multiples of 32");
-  const c10::Half* zp = nullptr;
+  TORCH_CHECK(bits == 8 || group % 16 == 0, "int4 groups must be multiples of 16");
+  const void* zp = nullptr;
   if (zeros.has_value() && zeros->defined()) {
-    TORCH_CHECK(zeros->is_contiguous() && zeros->scalar_type() == at::kHalf && zeros->sizes() == scales.sizes(),
-                "zeros must be float16 shaped like scales");
-    zp = zeros->data_ptr<c10::Half>();
+    TORCH_CHECK(zeros->is_contiguous() && zeros->scalar_type() == (coded ? at::kChar : at::kHalf) &&
+                zeros->sizes() == scales.sizes(), coded ? "coded zeros must be int8 shaped like scales"
+                                                        : "zeros must be float16 shaped like scales");
+    zp = zeros->data_ptr();
   }
-  return QuantWeight{qweight.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), zp, n, k, group};
+  const float* fp = nullptr;
+  if (coded) {
+    TORCH_CHECK(factors->is_contiguous() && factors->scalar_type() == at::kFloat && factors->dim() == 2 &&
+                factors->size(0) == n && factors->size(1) == 2, "factors must be float32 [N, 2]");
+    fp = factors->data_ptr<float>();
+  }
+  return QuantWeight{qweight.data_ptr<uint8_t>(), scales.data_ptr(), zp, fp, n, k, group};
 }
 
 }  // namespace
 
 // x: [M, K] float32/bfloat16/float16, contiguous. Returns [M, N] in x's dtype.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                        const c10::optional<at::Tensor>& zeros, int64_t group, int64_t bits, int64_t max_fused_rows,
-                        int64_t max_amx_rows, int64_t tile_bytes) {
+                        const c10::optional<at::Tensor>& zeros, const c10::optional<at::Tensor>& factors,
+                        int64_t group, int64_t bits, int64_t max_fused_rows, int64_t max_amx_rows,
+                        int64_t tile_bytes) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] matrix");
   const at::Tensor q = qweight.scalar_type() == at::kChar ? qweight.view(at::kByte) : qweight;
-  const QuantWeight w = check_weight(q, scales, zeros, group, bits);
+  const QuantWeight w = check_weight(q, scales, zeros, factors, group, bits);
   TORCH_CHECK(x.size(1) == w.k, "x has ", x.size(1), " features, the weight ", w.k);
   if (x.size(0) <= max_fused_rows) return bits == 4 ? fused<4>(w, x) : fused<8>(w, x);
 #if defined(KVSERVE_AMX)
@@ -446,9 +471,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 
 // The dense [N, K] weight in `dtype` (tests and the embedding lookup use it).
 at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
-                      int64_t group, int64_t bits, at::ScalarType dtype) {
+                      const c10::optional<at::Tensor>& factors, int64_t group, int64_t bits, at::ScalarType dtype) {
   const at::Tensor q = qweight.scalar_type() == at::kChar ? qweight.view(at::kByte) : qweight;
-  const QuantWeight w = check_weight(q, scales, zeros, group, bits);
+  const QuantWeight w = check_weight(q, scales, zeros, factors, group, bits);
   at::Tensor out = at::empty({w.n, w.k}, qweight.options().dtype(dtype));
   at::parallel_for(0, w.n, 16, [&](int64_t a, int64_t b) {
     if (dtype == at::kFloat) bits == 4 ? dequant_rows<float, 4>(w, a, b, out.data_ptr<float>() + a * w.k)
