@@ -27,6 +27,8 @@ _CSRC = Path(__file__).parent / "csrc" / "quant_linear.cpp"
 # AMX tiles of W dequantized in registers (no per-call weight reorder, 1.3-1.9x at::mm on the dense
 # bf16 weight for 8-128 rows); beyond _MAX_AMX_ROWS (prefill) L2-sized dequantized tiles + at::mm.
 _MAX_FUSED_ROWS = {torch.float32: 64, torch.bfloat16: 3, torch.float16: 4}
+_MAX_DENSE_FUSED_ROWS = 4  # dense bf16 W: the fused kernel up to here, then AMX tiles, then oneDNN
+_MAX_DENSE_KERNEL_ROWS = 256
 _MAX_AMX_ROWS = 256  # bf16 x with more rows than the fused limit: AMX tiles straight from W up to here
 _TILE_BYTES = 1 << 21  # a dequantized tile of W that stays in L2 while at::mm reads it
 _LOAD_CHUNK_VALUES = 1 << 18
@@ -68,7 +70,14 @@ class Dense(QuantMethod):
         layer.weight.data[start:start + count].copy_(dense)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, layer.weight)
+        w = layer.weight
+        if x.device.type == "cpu" and w.dtype == torch.bfloat16 and layer.in_features % 32 == 0:
+            flat = x.reshape(-1, layer.in_features)
+            kernels = load_quant_kernels() if flat.shape[0] <= _MAX_DENSE_KERNEL_ROWS else None
+            if kernels is not None:  # decode: one pass over W at memory speed, far faster than oneDNN's GEMV
+                y = kernels.dense_linear(flat.contiguous(), w, _MAX_DENSE_FUSED_ROWS, _MAX_AMX_ROWS)
+                return y.reshape(*x.shape[:-1], layer.out_features)
+        return F.linear(x, w)
 
     def embed(self, layer, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, layer.weight)

@@ -36,7 +36,7 @@ struct QuantWeight {
   const void* zeros;    // c10::Half, or int8 codes when `factors` is set; nullptr: no zero points
   const float* factors;  // [n, 2] per-row steps of the codes; nullptr: float16 scales and zeros
   int64_t n, k, group;
-  int64_t row_bytes(int bits) const { return bits == 4 ? k / 2 : k; }
+  int64_t row_bytes(int bits) const { return bits == 4 ? k / 2 : bits == 8 ? k : 2 * k; }
   int64_t groups() const { return k / group; }
 };
 
@@ -84,6 +84,12 @@ std::vector<int32_t> half_chunk_groups(const QuantWeight& w) {
 template <int BITS>
 inline void dequant_chunk(const uint8_t* row, int64_t c, const float* params, int64_t groups, int64_t g0, int64_t g1,
                           __m512& lo, __m512& hi) {
+  if (BITS == 16) {  // a dense bf16 row: bf16 -> float is a 16-bit shift
+    const uint16_t* r = reinterpret_cast<const uint16_t*>(row) + c * 32;
+    lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r))), 16));
+    hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 16))), 16));
+    return;
+  }
   __m512i q0, q1;
   if (BITS == 4) {
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 16)));
@@ -104,7 +110,7 @@ void fused_rows(const QuantWeight& w, const int32_t* group_of, const float* x, i
   std::vector<float> params(2 * groups);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w.data + n * w.row_bytes(BITS);
-    row_params(w, n, params.data());
+    if (BITS != 16) row_params(w, n, params.data());
     __m512 acc[4][MB];  // two chunks per step, four independent chains per row of x
     for (int m = 0; m < MB; ++m) acc[0][m] = acc[1][m] = acc[2][m] = acc[3][m] = _mm512_setzero_ps();
     int64_t c = 0;
@@ -140,9 +146,15 @@ void fused_rows(const QuantWeight& w, const int32_t* group_of, const float* x, i
 }
 #endif
 
-// Value k of row `row` as an integer (int4 values are 0..15, int8 values -128..127).
+// Value k of row `row` (int4 values are 0..15, int8 values -128..127, BITS 16: a dense bf16 weight).
 template <int BITS>
-inline int value_at(const uint8_t* row, int64_t k) {
+inline float value_at(const uint8_t* row, int64_t k) {
+  if (BITS == 16) {
+    const uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(row)[k]) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+  }
   if (BITS == 8) return static_cast<int8_t>(row[k]);
   const int64_t chunk = k / 32, j = k % 32;
   const uint8_t byte = row[chunk * 16 + (j % 16)];
@@ -156,7 +168,8 @@ void fused_rows_scalar(const QuantWeight& w, const float* x, int64_t ldx, int64_
   std::vector<float> params(2 * num_groups);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w.data + n * w.row_bytes(BITS);
-    row_params(w, n, params.data());
+    if (BITS == 16) params[0] = 1.f, params[1] = 0.f;
+    else row_params(w, n, params.data());
     for (int64_t m = 0; m < mb; ++m) {
       float acc = 0.f;
       for (int64_t g = 0; g < num_groups; ++g) {
@@ -347,7 +360,7 @@ void w_tiles(const QuantWeight& w, int64_t n0, const int32_t* group_of, float* p
       for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_si512(dst + c * 512, _mm512_setzero_si512());
       continue;
     }
-    row_params(w, n0 + i, params);
+    if (BITS != 16) row_params(w, n0 + i, params);
     const uint8_t* row = w.data + (n0 + i) * w.row_bytes(BITS);
     for (int64_t c = 0; c < chunks; ++c) {
       __m512 lo, hi;
@@ -469,6 +482,23 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   return bits == 4 ? tiled_any<4>(w, x, tile_bytes) : tiled_any<8>(w, x, tile_bytes);
 }
 
+// y = x W^T for a dense bf16 W [N, K] (K a multiple of 32): up to max_fused_rows rows of x the fused
+// loop (W read once per kFusedRows rows; oneDNN's bf16 GEMV runs far below memory bandwidth at M = 1),
+// then, for bf16 x up to max_amx_rows, AMX tiles; beyond that at::mm.
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, int64_t max_fused_rows, int64_t max_amx_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] matrix");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16,
+              "weight must be a contiguous bfloat16 [N, K] matrix");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(x.size(1) == k && k % 32 == 0, "x has ", x.size(1), " features, the weight ", k, " (a multiple of 32)");
+  const QuantWeight w{static_cast<const uint8_t*>(weight.data_ptr()), nullptr, nullptr, nullptr, n, k, k};
+  if (x.size(0) <= max_fused_rows) return fused<16>(w, x);
+#if defined(KVSERVE_AMX)
+  if (x.scalar_type() == at::kBFloat16 && x.size(0) <= max_amx_rows && amx_ready()) return amx_linear<16>(w, x);
+#endif
+  return at::mm(x, weight.t().to(x.scalar_type()));
+}
+
 // The dense [N, K] weight in `dtype` (tests and the embedding lookup use it).
 at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
                       const c10::optional<at::Tensor>& factors, int64_t group, int64_t bits, at::ScalarType dtype) {
@@ -489,6 +519,7 @@ at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "weight-only int8/int4 linear (CPU)");
   m.def("dequantize", &dequantize, "dequantize an int8/int4 weight (CPU)");
+  m.def("dense_linear", &dense_linear, "x W^T for a dense bf16 weight and a few rows of x (CPU)");
 #if defined(KVSERVE_AMX)
   m.def("has_amx", [] { return amx_ready(); }, "AMX tiles usable in this process");
 #else
