@@ -159,7 +159,10 @@ def build_llama_cpp(workdir: Path, jobs: int) -> None:
     gguf = workdir / "model-bf16.gguf"
     if not gguf.exists():
         hf = export_hf_model(workdir)
-        env = {**os.environ, "PYTHONPATH": str(llama / "gguf-py")}
+        deps = workdir / "convert-deps"  # the converter imports sentencepiece, which kvserve does not need
+        if not deps.exists():
+            run([sys.executable, "-m", "pip", "install", "-q", "--target", deps, "sentencepiece"])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(llama / "gguf-py"), str(deps)])}
         run([sys.executable, llama / "convert_hf_to_gguf.py", hf, "--outtype", "bf16", "--outfile", gguf], env=env)
 
 

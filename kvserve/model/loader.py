@@ -12,6 +12,7 @@ from kvserve.config import ModelConfig
 from kvserve.model import gguf_file
 from kvserve.model.default_model import verified_default_model_path
 from kvserve.model.quant.plan import assign_quant_methods
+from kvserve.model.weight_arena import pack_linear_weights
 from kvserve.model.registry import model_class
 
 
@@ -89,4 +90,6 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
         assign_quant_methods(model, quantization, group_size, gguf_file.tensor_types(path) if gguf else None)
     weights = gguf_file.iter_weights(path, hf, keep_blocks=quantization != "none") if gguf else iter_safetensors(path)
     model.load_weights(weights)
+    if device.type == "cpu":
+        pack_linear_weights(model)
     return model.eval(), config

@@ -44,6 +44,8 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]. Writes k, v into the cache, returns [T, Hq, D]."""
         k, v = self._write(k, v, kv_cache, meta)
+        if not meta.prefill_seqs:  # a pure decode step (the common one): every row is a sequence's query
+            return self._decode(q, kv_cache, meta, scale)
         out = torch.empty_like(q)
         if meta.decode_seqs:
             rows = meta.decode_token_index
