@@ -14,7 +14,11 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -118,6 +122,52 @@ void decode_one(const T* q, const Rows& k_rows, const Rows& v_rows, const int64_
     for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = static_cast<T>(acc[g * head_dim + d]);
 }
 
+#if defined(__AVX512BF16__)
+// The common case, vectorised: bf16 cache and query, head_dim a multiple of 32 (at most 256).
+// q.k: vdpbf16ps multiplies 32 bf16 pairs exactly and accumulates in float32 (then * scale, which
+// equals scaling q first up to float32 rounding); p.v: rows widened to float32, fused multiply-add.
+void decode_one_bf16(const c10::BFloat16* q, const c10::BFloat16* k_base, const c10::BFloat16* v_base,
+                     int64_t num_kv_heads, const int64_t* table, int64_t seq_len, int64_t block_size, int64_t head,
+                     int64_t group, int64_t head_dim, float scale, c10::BFloat16* out, std::vector<float>& scores,
+                     std::vector<float>& acc) {
+  const int64_t pairs = head_dim / 32, vecs = head_dim / 16;
+  scores.resize(group * seq_len);
+  acc.assign(group * head_dim, 0.f);
+  const uint16_t* qp = reinterpret_cast<const uint16_t*>(q);
+  for (int64_t t = 0; t < seq_len; ++t) {
+    const int64_t slot = table[t / block_size] * block_size + t % block_size;
+    const uint16_t* kr = reinterpret_cast<const uint16_t*>(k_base + (slot * num_kv_heads + head) * head_dim);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 s = _mm512_setzero_ps();
+      for (int64_t j = 0; j < pairs; ++j)
+        s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(kr + 32 * j), (__m512bh)_mm512_loadu_si512(qp + g * head_dim + 32 * j));
+      scores[g * seq_len + t] = _mm512_reduce_add_ps(s) * scale;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {  // softmax per query head, in float32
+    float* sg = scores.data() + g * seq_len;
+    const float mx = *std::max_element(sg, sg + seq_len);
+    float sum = 0.f;
+    for (int64_t t = 0; t < seq_len; ++t) { sg[t] = std::exp(sg[t] - mx); sum += sg[t]; }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < seq_len; ++t) sg[t] *= inv;
+  }
+  __m512 v[16];
+  for (int64_t t = 0; t < seq_len; ++t) {
+    const int64_t slot = table[t / block_size] * block_size + t % block_size;
+    const uint16_t* vr = reinterpret_cast<const uint16_t*>(v_base + (slot * num_kv_heads + head) * head_dim);
+    for (int64_t j = 0; j < vecs; ++j)
+      v[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + 16 * j))), 16));
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * seq_len + t]);
+      float* ag = acc.data() + g * head_dim;
+      for (int64_t j = 0; j < vecs; ++j) _mm512_storeu_ps(ag + 16 * j, _mm512_fmadd_ps(p, v[j], _mm512_loadu_ps(ag + 16 * j)));
+    }
+  }
+  for (int64_t i = 0; i < group * head_dim; ++i) out[i] = static_cast<c10::BFloat16>(acc[i]);
+}
+#endif
+
 template <typename T, typename Rows>
 void run(const at::Tensor& q, const Rows& k_rows, const Rows& v_rows, int64_t block_size, int64_t num_kv_heads,
          const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
@@ -127,11 +177,26 @@ void run(const at::Tensor& q, const Rows& k_rows, const Rows& v_rows, int64_t bl
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* sl = seq_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
+#if defined(__AVX512BF16__)
+  constexpr bool bf16_rows = std::is_same_v<Rows, DenseRows<c10::BFloat16>>;
+  const bool vectorised = bf16_rows && head_dim % 32 == 0 && head_dim <= 256;
+#else
+  const bool vectorised = false;
+#endif
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qf, acc, row;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / num_kv_heads, h = i % num_kv_heads;
       const int64_t offset = (b * num_heads + h * group) * head_dim;
+#if defined(__AVX512BF16__)
+      if constexpr (bf16_rows) {
+        if (vectorised) {
+          decode_one_bf16(qp + offset, k_rows.base, v_rows.base, num_kv_heads, bt + b * width, sl[b], block_size, h,
+                          group, head_dim, static_cast<float>(scale), op + offset, scores, acc);
+          continue;
+        }
+      }
+#endif
       decode_one<T, Rows>(qp + offset, k_rows, v_rows, bt + b * width, sl[b], block_size, h, group, head_dim,
                           static_cast<float>(scale), op + offset, scores, qf, acc, row);
     }

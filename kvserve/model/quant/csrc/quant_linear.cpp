@@ -482,6 +482,56 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   return bits == 4 ? tiled_any<4>(w, x, tile_bytes) : tiled_any<8>(w, x, tile_bytes);
 }
 
+#if defined(__AVX512BF16__)
+// Dense bf16 W and bf16 x, MB rows: vdpbf16ps multiplies 32 bf16 pairs and accumulates in float32,
+// so W streams through with no conversion at all (the memory-bound decode case).
+template <int MB>
+void dense_bf16_rows(const uint16_t* w, const uint16_t* x, int64_t k, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  const int64_t chunks = k / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint16_t* row = w + n * k;
+    __m512 acc[2][MB];
+    for (int m = 0; m < MB; ++m) acc[0][m] = acc[1][m] = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 2 <= chunks; c += 2) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row + c * 32), w1 = (__m512bh)_mm512_loadu_si512(row + c * 32 + 32);
+      for (int m = 0; m < MB; ++m) {
+        acc[0][m] = _mm512_dpbf16_ps(acc[0][m], w0, (__m512bh)_mm512_loadu_si512(x + m * k + c * 32));
+        acc[1][m] = _mm512_dpbf16_ps(acc[1][m], w1, (__m512bh)_mm512_loadu_si512(x + m * k + c * 32 + 32));
+      }
+    }
+    if (c < chunks) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row + c * 32);
+      for (int m = 0; m < MB; ++m)
+        acc[0][m] = _mm512_dpbf16_ps(acc[0][m], w0, (__m512bh)_mm512_loadu_si512(x + m * k + c * 32));
+    }
+    for (int m = 0; m < MB; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]));
+  }
+}
+
+at::Tensor dense_bf16(const at::Tensor& x, const at::Tensor& weight) {
+  const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1);
+  at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  const uint16_t* wp = static_cast<const uint16_t*>(weight.data_ptr());
+  const uint16_t* xp = static_cast<const uint16_t*>(x.data_ptr());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < m; m0 += kFusedRows) {
+      const int64_t mb = std::min<int64_t>(kFusedRows, m - m0);
+      const uint16_t* xm = xp + m0 * k;
+      float* ym = yp + m0 * n;
+      switch (mb) {
+        case 1: dense_bf16_rows<1>(wp, xm, k, n0, n1, ym, n); break;
+        case 2: dense_bf16_rows<2>(wp, xm, k, n0, n1, ym, n); break;
+        case 3: dense_bf16_rows<3>(wp, xm, k, n0, n1, ym, n); break;
+        default: dense_bf16_rows<4>(wp, xm, k, n0, n1, ym, n); break;
+      }
+    }
+  });
+  return y.to(at::kBFloat16);
+}
+#endif
+
 // y = x W^T for a dense bf16 W [N, K] (K a multiple of 32): up to max_fused_rows rows of x the fused
 // loop (W read once per kFusedRows rows; oneDNN's bf16 GEMV runs far below memory bandwidth at M = 1),
 // then, for bf16 x up to max_amx_rows, AMX tiles; beyond that at::mm.
@@ -492,6 +542,9 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, int64_t m
   const int64_t n = weight.size(0), k = weight.size(1);
   TORCH_CHECK(x.size(1) == k && k % 32 == 0, "x has ", x.size(1), " features, the weight ", k, " (a multiple of 32)");
   const QuantWeight w{static_cast<const uint8_t*>(weight.data_ptr()), nullptr, nullptr, nullptr, n, k, k};
+#if defined(__AVX512BF16__)
+  if (x.size(0) <= max_fused_rows && x.scalar_type() == at::kBFloat16) return dense_bf16(x, weight);
+#endif
   if (x.size(0) <= max_fused_rows) return fused<16>(w, x);
 #if defined(KVSERVE_AMX)
   if (x.scalar_type() == at::kBFloat16 && x.size(0) <= max_amx_rows && amx_ready()) return amx_linear<16>(w, x);
