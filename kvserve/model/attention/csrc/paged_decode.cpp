@@ -80,6 +80,18 @@ struct Fp8Rows {
   }
 };
 
+// Softmax of each of `rows` rows of `len` scores, in place, in float32.
+inline void softmax_rows(float* scores, int64_t rows, int64_t len) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* sg = scores + g * len;
+    const float mx = *std::max_element(sg, sg + len);
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) { sg[t] = std::exp(sg[t] - mx); sum += sg[t]; }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+  }
+}
+
 template <typename T, typename Rows>
 void decode_one(const T* q, const Rows& k_rows, const Rows& v_rows, const int64_t* table, int64_t seq_len,
                 int64_t block_size, int64_t head, int64_t group, int64_t head_dim, float scale,
@@ -101,14 +113,7 @@ void decode_one(const T* q, const Rows& k_rows, const Rows& v_rows, const int64_
       scores[g * seq_len + t] = s;
     }
   }
-  for (int64_t g = 0; g < group; ++g) {  // softmax per query head, in float32
-    float* sg = scores.data() + g * seq_len;
-    const float mx = *std::max_element(sg, sg + seq_len);
-    float sum = 0.f;
-    for (int64_t t = 0; t < seq_len; ++t) { sg[t] = std::exp(sg[t] - mx); sum += sg[t]; }
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < seq_len; ++t) sg[t] *= inv;
-  }
+  softmax_rows(scores.data(), group, seq_len);
   for (int64_t t = 0; t < seq_len; ++t) {
     const int64_t slot = table[t / block_size] * block_size + t % block_size;
     v_rows.load(slot, head, row.data());
@@ -144,14 +149,7 @@ void decode_one_bf16(const c10::BFloat16* q, const c10::BFloat16* k_base, const 
       scores[g * seq_len + t] = _mm512_reduce_add_ps(s) * scale;
     }
   }
-  for (int64_t g = 0; g < group; ++g) {  // softmax per query head, in float32
-    float* sg = scores.data() + g * seq_len;
-    const float mx = *std::max_element(sg, sg + seq_len);
-    float sum = 0.f;
-    for (int64_t t = 0; t < seq_len; ++t) { sg[t] = std::exp(sg[t] - mx); sum += sg[t]; }
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < seq_len; ++t) sg[t] *= inv;
-  }
+  softmax_rows(scores.data(), group, seq_len);
   __m512 v[16];
   for (int64_t t = 0; t < seq_len; ++t) {
     const int64_t slot = table[t / block_size] * block_size + t % block_size;
