@@ -63,7 +63,8 @@ class LLM:
     max_num_batched_tokens=2048, max_model_len=None, speculative_method=None ("ngram" | "draft"),
     num_speculative_tokens=4, speculative_model, speculative_ngram_min=1, speculative_ngram_max=4,
     speculative_max_batch_size=8, quantization=None (keep a GGUF file's block quantization; "none",
-    "int8", "int4"), quantization_group_size=None, kv_cache_dtype="auto" ("int8", "fp8").
+    "int8", "int4"), quantization_group_size=None (32; -1 = one scale per output channel, int8 only),
+    kv_cache_dtype="auto" ("int8", "fp8").
     """
 
     def __init__(self, model: str | None = None, dtype: str = "float32", seed: int = 0, device: str = "cpu",

@@ -56,3 +56,15 @@ def test_bad_engine_options():
         LLM(block_size=0)
     with pytest.raises(ValueError, match="max_num_seqs"):
         LLM(max_num_seqs=0)
+
+
+def test_quantization_group_size_options():
+    from kvserve.config import QuantConfig
+
+    assert QuantConfig("int8", -1).group_size == -1  # one scale per output channel
+    with pytest.raises(ValueError, match="int8"):
+        QuantConfig("int4", -1)
+    with pytest.raises(ValueError, match="quantization_group_size"):
+        QuantConfig("int8", 48)
+    with pytest.raises(ValueError, match="needs quantization"):
+        QuantConfig(None, 32)
