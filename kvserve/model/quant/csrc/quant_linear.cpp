@@ -533,8 +533,9 @@ at::Tensor dense_bf16(const at::Tensor& x, const at::Tensor& weight) {
 #endif
 
 // y = x W^T for a dense bf16 W [N, K] (K a multiple of 32): up to max_fused_rows rows of x the fused
-// loop (W read once per kFusedRows rows; oneDNN's bf16 GEMV runs far below memory bandwidth at M = 1),
-// then, for bf16 x up to max_amx_rows, AMX tiles; beyond that at::mm.
+// loop (W read once per kFusedRows rows), then, for bf16 x up to max_amx_rows, AMX tiles; beyond that
+// at::mm. On the default model's shapes (2 threads) that is 1.6-3.5x oneDNN at one row, 1.2-2x at
+// four, and at 32 rows the whole bf16 decode step went from 154 to 137 ms.
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, int64_t max_fused_rows, int64_t max_amx_rows) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] matrix");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16,
