@@ -25,13 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvserve.bench.launch import free_port, wait_for_health
 
 REPO = Path(__file__).resolve().parent.parent
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
@@ -192,26 +191,12 @@ def vllm_preloads(venv: Path) -> list[Path]:
 
 # ---- one measurement -----------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_healthy(server: Server, proc: subprocess.Popen) -> float:
     """Seconds from start until GET /health answers 200; raises if the process dies or times out."""
-    start = time.perf_counter()
-    while time.perf_counter() - start < server.startup_timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{server.name} exited with {proc.returncode} before /health answered")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return time.perf_counter() - start
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{server.name} did not answer /health within {server.startup_timeout:.0f} s")
+    try:
+        return wait_for_health(f"http://127.0.0.1:{server.port}", proc, server.startup_timeout, poll=0.2)
+    except (RuntimeError, TimeoutError) as e:
+        raise type(e)(f"{server.name}: {e}") from None
 
 
 def bench_serve(server: Server, workload: Workload, vocab_size: int) -> dict:

@@ -13,11 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
+
+from kvserve.bench.launch import free_port, wait_for_health
 
 BREAKDOWN = r'''
 import json, sys, time
@@ -42,30 +41,13 @@ print(json.dumps(stages))
 '''
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def time_to_health(dtype: str, extra: list[str], timeout: float = 300.0) -> float:
     port = free_port()
     cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--dtype", dtype, "--port", str(port),
            "--log-level", "warning", *extra]
-    start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        while time.perf_counter() - start < timeout:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as resp:
-                    if resp.status == 200:
-                        return time.perf_counter() - start
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise TimeoutError(f"no 200 from /health within {timeout:.0f} s")
+        return wait_for_health(f"http://127.0.0.1:{port}", proc, timeout)
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -23,6 +23,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for_health(base_url: str, proc: subprocess.Popen, timeout: float, poll: float = 0.05,
+                    statuses: list[int] | None = None) -> float:
+    """Seconds from now until ``GET base_url/health`` answers 200 (any OpenAI-style server).
+
+    Raises RuntimeError if ``proc`` exits first and TimeoutError after ``timeout`` seconds; every
+    status seen on the way is appended to ``statuses`` if given.
+    """
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before /health answered 200")
+        try:
+            status = httpx.get(base_url + "/health", timeout=1.0).status_code
+        except httpx.HTTPError:
+            status = None
+        if status is not None and statuses is not None:
+            statuses.append(status)
+        if status == 200:
+            return time.monotonic() - start
+        time.sleep(poll)
+    raise TimeoutError(f"no 200 from {base_url}/health within {timeout:.0f} s")
+
+
 class ServerProcess:
     """``kvserve serve ARGS --port <free>``, healthy on return; a context manager (SIGTERM on exit)."""
 
@@ -33,24 +56,13 @@ class ServerProcess:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-server-", suffix=".log", delete=False)
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
         cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", *args, "--port", str(self.port)]
-        started = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        self._wait_healthy(started + startup_timeout)
-        self.seconds_to_healthy = time.monotonic() - started
-
-    def _wait_healthy(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()}")
-            try:
-                self.startup_statuses.append(httpx.get(self.url("/health"), timeout=1.0).status_code)
-                if self.startup_statuses[-1] == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"server not healthy in time:\n{self.log_text()}")
+        try:
+            self.seconds_to_healthy = wait_for_health(self.base_url, self.proc, startup_timeout,
+                                                      statuses=self.startup_statuses)
+        except (RuntimeError, TimeoutError) as e:
+            self.stop()
+            raise RuntimeError(f"{e}:\n{self.log_text()}") from None
 
     def url(self, path: str) -> str:
         return self.base_url + path
