@@ -44,3 +44,49 @@ def test_kernel_matches_reference(dtype, tol, heads, kv_heads, dim):
     out_fast = fast.forward(q, k, v, cache.clone(), meta, dim**-0.5)
     out_ref = ref.forward(q, k, v, cache.clone(), meta, dim**-0.5)
     torch.testing.assert_close(out_fast.float(), out_ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads, kv_heads", [(3, 3), (9, 3), (8, 2), (8, 1)])  # GQA groups 1, 3, 4, 8
+@pytest.mark.parametrize("dim", [48, 64, 128])
+def test_kernel_matches_reference_cache_kinds(kv_cache_dtype, dtype, tol, heads, kv_heads, dim):
+    """Every cache kind, contexts of 1 token, not a multiple of the block size or of 16, and 3000+."""
+    if load_cpu_kernels() is None:
+        pytest.skip("C++ kernels could not be built on this machine")
+    torch.manual_seed(0)
+    lens, bs = [1, 15, 16, 17, 47, 3001], 16
+    num_blocks = sum(-(-n // bs) for n in lens) + 4
+    meta = _decode_meta(lens, bs, num_blocks)
+    fast = TorchAttentionBackend(kv_cache_dtype=kv_cache_dtype)
+    ref = TorchAttentionBackend(use_kernels=False, kv_cache_dtype=kv_cache_dtype)
+    cache = fast.allocate_kv_cache(num_blocks, bs, kv_heads, dim, dtype, torch.device("cpu"))
+    # Fill every slot with random keys and values (as the cache would hold them), then decode.
+    flat = cache.view(2, num_blocks * bs, kv_heads, -1)
+    for i in range(2):
+        x = (torch.randn(num_blocks * bs, kv_heads, dim) * 2).to(dtype)
+        flat[i] = x if fast.kv_format is None else fast.kv_format.quantize(x)
+    q = torch.randn(len(lens), heads, dim).to(dtype)
+    k = torch.randn(len(lens), kv_heads, dim).to(dtype)
+    v = torch.randn(len(lens), kv_heads, dim).to(dtype)
+    out_fast = fast.forward(q, k, v, cache.clone(), meta, dim**-0.5)
+    out_ref = ref.forward(q, k, v, cache.clone(), meta, dim**-0.5)
+    torch.testing.assert_close(out_fast.float(), out_ref.float(), atol=tol, rtol=tol)
+
+
+def test_kernel_fp8_decodes_every_value():
+    """One cached token: the output is its value row, so every e4m3 bit pattern (subnormals too) must
+    dequantize exactly as torch's float8_e4m3fn does."""
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("C++ kernels could not be built on this machine")
+    dim, patterns = 64, [b for b in range(256) if b & 0x7F != 0x7F]  # all but the NaNs
+    rows = torch.tensor(patterns + [0] * (dim * 4 - len(patterns)), dtype=torch.uint8).view(4, dim)
+    scale = torch.tensor([0.75], dtype=torch.float16).view(torch.uint8).expand(4, 2)
+    cache = torch.zeros(2, 4, 1, 1, dim + 2, dtype=torch.uint8)  # 4 blocks of 1 token, 1 kv head
+    cache[1, :, 0, 0] = torch.cat((rows, scale), dim=1)
+    q = torch.randn(4, 1, dim)
+    out = kernels.paged_decode_attention(q, cache[0], cache[1], torch.arange(4).view(4, 1),
+                                         torch.ones(4, dtype=torch.int64), dim**-0.5, 2)
+    expected = rows.view(torch.float8_e4m3fn).float() * 0.75
+    torch.testing.assert_close(out[:, 0], expected, atol=0, rtol=1e-6)

@@ -6,6 +6,10 @@
 // values, then a float16 scale for that token and head (see kv_quant.py); rows are dequantized on read.
 // Work is split over (sequence, kv head) pairs; the query heads of one GQA group share every
 // key/value row they read, so each row is loaded once per group.
+//
+// With AVX-512 and head_dim % 16 == 0 (every cache kind) the kernel makes one pass over the keys and
+// values, 16 tokens at a time, with an online softmax (running max and sum per query head); otherwise
+// a scalar two-pass fallback.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -16,7 +20,7 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -127,42 +131,217 @@ void decode_one(const T* q, const Rows& k_rows, const Rows& v_rows, const int64_
     for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = static_cast<T>(acc[g * head_dim + d]);
 }
 
+#if defined(__AVX512F__)
+constexpr int kChunk = 16;  // tokens handled together: one zmm holds their scores
+
+// 2^x for x <= 0, ~2e-7 relative error: 2^x = 2^n * 2^f, n = round(x), |f| <= 1/2, 2^f by its
+// degree-6 Taylor polynomial. x is clamped at -200 first, so -inf gives 0 rather than NaN.
+inline __m512 exp2_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-200.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5403530e-4f);                   // ln2^6 / 6!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));   // ln2^5 / 5!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));   // ln2^4 / 4!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));   // ln2^3 / 3!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));   // ln2^2 / 2!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));   // ln2
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Lane t of the result = the sum of v[t]'s 16 lanes (v is clobbered). A transposing add tree:
+// 15 adds and 31 shuffles for all 16 tokens, instead of one slow horizontal reduction per token.
+inline __m512 sum16(__m512* v) {
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: v[i] = [v_i lanes 0-7 | v_{i+8} lanes 0-7] partial sums
+    v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit quarters
+    v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 4], 0x88), _mm512_shuffle_f32x4(v[i], v[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i) {  // 64-bit pairs
+    const __m512d a = _mm512_castps_pd(v[i]), b = _mm512_castps_pd(v[i + 2]);
+    v[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
+  // r's lanes hold tokens 0 2 1 3 8 10 9 11 4 6 5 7 12 14 13 15; put them in order.
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), r);
+}
+
+// Cache kinds of the vectorised kernel: Elem is the stored element type (uint8_t for the quantized kinds).
+enum class Kind { kDense, kInt8, kFp8 };
+
+// 16 cache values from p, as float32 (quantized kinds: before the row scale; fp8: / 256, see below).
+template <Kind K, typename Elem>
+inline __m512 load16(const Elem* p) {
+  if constexpr (K == Kind::kInt8) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  } else if constexpr (K == Kind::kFp8) {
+    // e4m3 (bias 7) -> float16 (bias 15) by moving the exponent and mantissa bits into place: the
+    // result is the value * 2^-8 for normal and subnormal inputs alike; the 256 goes into the scale.
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                                      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+    return _mm512_cvtph_ps(h);
+  } else if constexpr (std::is_same_v<Elem, float>) {
+    return _mm512_loadu_ps(p);
+  } else if constexpr (std::is_same_v<Elem, c10::Half>) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  } else {  // bfloat16: the high half of a float32
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  }
+}
+
+// Per-thread scratch, sized once per call.
+struct Scratch {
+  std::vector<float> q, kf, vf, acc, l;  // [group, D] query, [16, D] keys and values as float32,
+                                         // [group, D] weighted sums of values, [group, 16] sums of weights
+  std::vector<int64_t> rows;             // [seq_len] element offsets of the rows
+  Scratch(int64_t group, int64_t head_dim)
+      : q(group * head_dim), kf(kChunk * head_dim), vf(kChunk * head_dim), acc(group * head_dim), l(group * kChunk) {}
+};
+
+// One (sequence, kv head): out[g] = softmax(q[g] . K^T * scale) V for the group's query heads g.
+// Elem: the cache element type; T: the query/output type. Rows are addressed by index
+// (slot * num_kv_heads + head) * stride, stride = D (dense) or D + 2 (quantized: values, fp16 scale).
+template <Kind K, int kD, typename Elem, typename T>
+void decode_vec(const T* q, const Elem* k_base, const Elem* v_base, int64_t num_kv_heads, const int64_t* table,
+                int64_t seq_len, int64_t block_size, int64_t head, int64_t group, int64_t head_dim, float scale,
+                T* out, Scratch& s) {
+  constexpr bool quantized = K != Kind::kDense;
+  const int64_t D = kD ? kD : head_dim, stride = quantized ? D + 2 : D;  // kD: head_dim known at compile time
 #if defined(__AVX512BF16__)
-// The common case, vectorised: bf16 cache and query, head_dim a multiple of 32 (at most 256).
-// q.k: vdpbf16ps multiplies 32 bf16 pairs exactly and accumulates in float32 (then * scale, which
-// equals scaling q first up to float32 rounding); p.v: rows widened to float32, fused multiply-add.
-void decode_one_bf16(const c10::BFloat16* q, const c10::BFloat16* k_base, const c10::BFloat16* v_base,
-                     int64_t num_kv_heads, const int64_t* table, int64_t seq_len, int64_t block_size, int64_t head,
-                     int64_t group, int64_t head_dim, float scale, c10::BFloat16* out, std::vector<float>& scores,
-                     std::vector<float>& acc) {
-  const int64_t pairs = head_dim / 32, vecs = head_dim / 16;
-  scores.resize(group * seq_len);
-  acc.assign(group * head_dim, 0.f);
-  const uint16_t* qp = reinterpret_cast<const uint16_t*>(q);
-  for (int64_t t = 0; t < seq_len; ++t) {
-    const int64_t slot = table[t / block_size] * block_size + t % block_size;
-    const uint16_t* kr = reinterpret_cast<const uint16_t*>(k_base + (slot * num_kv_heads + head) * head_dim);
+  // bf16 cache and query: q.k straight from the cache with vdpbf16ps (exact bf16 products, float32 sums).
+  constexpr bool bf16_types = std::is_same_v<Elem, c10::BFloat16> && std::is_same_v<T, c10::BFloat16>;
+  const bool bf16_dot = bf16_types && D % 32 == 0;
+#else
+  constexpr bool bf16_types = false;
+  const bool bf16_dot = false;
+#endif
+  // Scores are kept in base 2 (scaled by log2 e) so the softmax needs only 2^x.
+  const float qscale = scale * 1.4426950408889634f * (K == Kind::kFp8 ? 256.f : 1.f);
+  if (!bf16_dot)
+    for (int64_t i = 0; i < group * D; ++i) s.q[i] = to_float(q[i]) * qscale;
+  std::fill(s.acc.begin(), s.acc.end(), 0.f);
+  std::fill(s.l.begin(), s.l.end(), 0.f);
+  float m[64];  // per query head: running max (group <= 64, checked by the caller)
+  std::fill(m, m + group, -std::numeric_limits<float>::infinity());
+
+  // Element offset of every token's row, walking the block table (no division per token).
+  if (static_cast<int64_t>(s.rows.size()) < seq_len) s.rows.resize(seq_len);
+  for (int64_t t = 0, blk = 0, off = 0; t < seq_len; ++t) {
+    s.rows[t] = ((table[blk] * block_size + off) * num_kv_heads + head) * stride;
+    if (++off == block_size) { off = 0; ++blk; }
+  }
+  const int64_t row_bytes = stride * static_cast<int64_t>(sizeof(Elem));
+
+  for (int64_t start = 0; start < seq_len; start += kChunk) {
+    const int n = static_cast<int>(std::min<int64_t>(kChunk, seq_len - start));
+    const int64_t* rows = &s.rows[start];
+    // The rows are scattered over the pool: fetch the next chunk's while this one is computed.
+    for (int64_t t = start + kChunk; t < std::min(seq_len, start + 2 * kChunk); ++t) {
+      const char *kr = reinterpret_cast<const char*>(k_base + s.rows[t]), *vr = reinterpret_cast<const char*>(v_base + s.rows[t]);
+      for (int64_t b = 0; b < row_bytes; b += 64) {
+        _mm_prefetch(kr + b, _MM_HINT_T0);
+        _mm_prefetch(vr + b, _MM_HINT_T0);
+      }
+      if constexpr (quantized) {  // rows of D + 2 bytes need not start on a line
+        _mm_prefetch(kr + row_bytes - 1, _MM_HINT_T0);
+        _mm_prefetch(vr + row_bytes - 1, _MM_HINT_T0);
+      }
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+
+    __m512 kscale = _mm512_set1_ps(1.f), vscale = _mm512_set1_ps(1.f);
+    // Rows to float32 scratch (keys only where they are not read in place), and (quantized) their scales.
+    for (int t = 0; t < n; ++t) {
+      const Elem *kr = k_base + rows[t], *vr = v_base + rows[t];
+      for (int64_t d = 0; d < D; d += 16) {
+        if (!bf16_dot) _mm512_storeu_ps(&s.kf[t * D + d], load16<K>(kr + d));
+        _mm512_storeu_ps(&s.vf[t * D + d], load16<K>(vr + d));
+      }
+    }
+    if constexpr (quantized) {
+      uint16_t ks[kChunk] = {}, vs[kChunk] = {};
+      for (int t = 0; t < n; ++t) {
+        std::memcpy(&ks[t], k_base + rows[t] + D, 2);
+        std::memcpy(&vs[t], v_base + rows[t] + D, 2);
+      }
+      kscale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ks)));
+      vscale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vs)));
+      if constexpr (K == Kind::kFp8) vscale = _mm512_mul_ps(vscale, _mm512_set1_ps(256.f));
+    }
+
     for (int64_t g = 0; g < group; ++g) {
-      __m512 s = _mm512_setzero_ps();
-      for (int64_t j = 0; j < pairs; ++j)
-        s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(kr + 32 * j), (__m512bh)_mm512_loadu_si512(qp + g * head_dim + 32 * j));
-      scores[g * seq_len + t] = _mm512_reduce_add_ps(s) * scale;
+      // Scores of the n tokens: 16 partial-sum vectors, summed together.
+      __m512 part[kChunk];
+      for (int t = 0; t < kChunk; ++t) {
+        __m512 acc = _mm512_setzero_ps();
+        if (t < n) {
+#if defined(__AVX512BF16__)
+          if (bf16_types && bf16_dot) {
+            const auto* kr = reinterpret_cast<const uint16_t*>(k_base + rows[t]);
+            const auto* qg = reinterpret_cast<const uint16_t*>(q + g * D);
+            for (int64_t d = 0; d < D; d += 32)
+              acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(kr + d), (__m512bh)_mm512_loadu_si512(qg + d));
+          } else
+#endif
+          {
+            for (int64_t d = 0; d < D; d += 16)
+              acc = _mm512_fmadd_ps(_mm512_loadu_ps(&s.kf[t * D + d]), _mm512_loadu_ps(&s.q[g * D + d]), acc);
+          }
+        }
+        part[t] = acc;
+      }
+      __m512 sc = _mm512_mul_ps(sum16(part), kscale);
+      if (bf16_dot) sc = _mm512_mul_ps(sc, _mm512_set1_ps(qscale));
+      sc = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, sc);
+
+      // Online softmax: rescale what has been summed so far when the max grows (checked per lane
+      // first, so most chunks need no horizontal max).
+      float alpha = 1.f;
+      if (_mm512_cmp_ps_mask(sc, _mm512_set1_ps(m[g]), _CMP_GT_OQ)) {
+        const float m_new = std::max(m[g], _mm512_reduce_max_ps(sc));
+        alpha = std::exp2(m[g] - m_new);  // 0 on the first chunk (m = -inf)
+        m[g] = m_new;
+      }
+      const __m512 va = _mm512_set1_ps(alpha);
+      const __m512 p = _mm512_maskz_mov_ps(valid, exp2_ps(_mm512_sub_ps(sc, _mm512_set1_ps(m[g]))));
+      _mm512_storeu_ps(&s.l[g * kChunk], _mm512_fmadd_ps(_mm512_loadu_ps(&s.l[g * kChunk]), va, p));  // per-lane sums
+      alignas(64) float pv[kChunk];  // weights of the value rows (times their scales)
+      _mm512_store_ps(pv, _mm512_mul_ps(p, vscale));
+      float* ag = &s.acc[g * D];
+
+      if constexpr (kD != 0) {
+        // acc[g] = acc[g] * alpha + sum_t pv[t] * v[t], the whole row of sums held in registers.
+        constexpr int kV = kD / 16;
+        __m512 a[kV];
+        for (int c = 0; c < kV; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(ag + 16 * c), va);
+        for (int t = 0; t < n; ++t) {
+          const __m512 w = _mm512_set1_ps(pv[t]);
+          for (int c = 0; c < kV; ++c) a[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(&s.vf[t * kD + 16 * c]), a[c]);
+        }
+        for (int c = 0; c < kV; ++c) _mm512_storeu_ps(ag + 16 * c, a[c]);
+      } else {
+        // The same for any head_dim: 16 dims at a time, four independent chains.
+        for (int64_t d = 0; d < D; d += 16) {
+          __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(ag + d), va), a1 = _mm512_setzero_ps(), a2 = a1, a3 = a1;
+          const float* vd = &s.vf[d];
+          int t = 0;
+          for (; t + 4 <= n; t += 4) {
+            a0 = _mm512_fmadd_ps(_mm512_set1_ps(pv[t]), _mm512_loadu_ps(vd + t * D), a0);
+            a1 = _mm512_fmadd_ps(_mm512_set1_ps(pv[t + 1]), _mm512_loadu_ps(vd + (t + 1) * D), a1);
+            a2 = _mm512_fmadd_ps(_mm512_set1_ps(pv[t + 2]), _mm512_loadu_ps(vd + (t + 2) * D), a2);
+            a3 = _mm512_fmadd_ps(_mm512_set1_ps(pv[t + 3]), _mm512_loadu_ps(vd + (t + 3) * D), a3);
+          }
+          for (; t < n; ++t) a0 = _mm512_fmadd_ps(_mm512_set1_ps(pv[t]), _mm512_loadu_ps(vd + t * D), a0);
+          _mm512_storeu_ps(ag + d, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+        }
+      }
     }
   }
-  softmax_rows(scores.data(), group, seq_len);
-  __m512 v[16];
-  for (int64_t t = 0; t < seq_len; ++t) {
-    const int64_t slot = table[t / block_size] * block_size + t % block_size;
-    const uint16_t* vr = reinterpret_cast<const uint16_t*>(v_base + (slot * num_kv_heads + head) * head_dim);
-    for (int64_t j = 0; j < vecs; ++j)
-      v[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + 16 * j))), 16));
-    for (int64_t g = 0; g < group; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * seq_len + t]);
-      float* ag = acc.data() + g * head_dim;
-      for (int64_t j = 0; j < vecs; ++j) _mm512_storeu_ps(ag + 16 * j, _mm512_fmadd_ps(p, v[j], _mm512_loadu_ps(ag + 16 * j)));
-    }
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = seq_len > 0 ? 1.f / _mm512_reduce_add_ps(_mm512_loadu_ps(&s.l[g * kChunk])) : 0.f;
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<T>(s.acc[g * D + d] * inv);
   }
-  for (int64_t i = 0; i < group * head_dim; ++i) out[i] = static_cast<c10::BFloat16>(acc[i]);
 }
 #endif
 
@@ -175,26 +354,30 @@ void run(const at::Tensor& q, const Rows& k_rows, const Rows& v_rows, int64_t bl
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* sl = seq_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-#if defined(__AVX512BF16__)
-  constexpr bool bf16_rows = std::is_same_v<Rows, DenseRows<c10::BFloat16>>;
-  const bool vectorised = bf16_rows && head_dim % 32 == 0 && head_dim <= 256;
-#else
-  const bool vectorised = false;
+#if defined(__AVX512F__)
+  constexpr Kind kind = std::is_same_v<Rows, Int8Rows> ? Kind::kInt8 : std::is_same_v<Rows, Fp8Rows> ? Kind::kFp8 : Kind::kDense;
+  const bool vectorised = head_dim % 16 == 0 && group <= 64;
+  using Elem = std::remove_const_t<std::remove_pointer_t<decltype(k_rows.base)>>;
 #endif
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+#if defined(__AVX512F__)
+    if (vectorised) {
+      Scratch s(group, head_dim);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = i / num_kv_heads, h = i % num_kv_heads;
+        const int64_t offset = (b * num_heads + h * group) * head_dim;
+        auto* f = head_dim == 64 ? decode_vec<kind, 64, Elem, T> : head_dim == 128 ? decode_vec<kind, 128, Elem, T>
+                                                                                   : decode_vec<kind, 0, Elem, T>;
+        f(qp + offset, k_rows.base, v_rows.base, num_kv_heads, bt + b * width, sl[b], block_size, h, group, head_dim,
+          static_cast<float>(scale), op + offset, s);
+      }
+      return;
+    }
+#endif
     std::vector<float> scores, qf, acc, row;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / num_kv_heads, h = i % num_kv_heads;
       const int64_t offset = (b * num_heads + h * group) * head_dim;
-#if defined(__AVX512BF16__)
-      if constexpr (bf16_rows) {
-        if (vectorised) {
-          decode_one_bf16(qp + offset, k_rows.base, v_rows.base, num_kv_heads, bt + b * width, sl[b], block_size, h,
-                          group, head_dim, static_cast<float>(scale), op + offset, scores, acc);
-          continue;
-        }
-      }
-#endif
       decode_one<T, Rows>(qp + offset, k_rows, v_rows, bt + b * width, sl[b], block_size, h, group, head_dim,
                           static_cast<float>(scale), op + offset, scores, qf, acc, row);
     }
