@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.model.layers.elementwise import rms_norm
+
 
 class RMSNorm(torch.nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
@@ -11,8 +13,6 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Normalised x; with ``residual``, adds x into it in place first and normalises the sum."""
+        return rms_norm(x, self.weight, self.eps, residual)

@@ -11,11 +11,11 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.config import ModelConfig
 from kvserve.model.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.model.layers.linear import Linear, VocabEmbedding, load_checkpoint
+from kvserve.model.layers.elementwise import silu_mul
 from kvserve.model.layers.norm import RMSNorm
 from kvserve.model.layers.rotary import RotaryEmbedding
 
@@ -41,7 +41,7 @@ class Attention(torch.nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        rotary(positions, q, k)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
@@ -53,11 +53,9 @@ class MLP(torch.nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, False, dtype,
                                    shards={"gate_proj": (0, inter), "up_proj": (inter, inter)})
         self.down_proj = Linear(inter, cfg.hidden_size, False, dtype)
-        self.inter = inter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(torch.nn.Module):
@@ -68,9 +66,16 @@ class DecoderLayer(torch.nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, positions, x, rotary, kv_cache, meta, backend) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), rotary, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions, x, residual, rotary, kv_cache, meta, backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output, not yet added into ``residual`` (the stream of sums),
+        which is updated in place; the first layer gets the embeddings and no residual. Returns
+        (this layer's MLP output, residual): deferring each add into the next norm fuses the two."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(positions, h, rotary, kv_cache, meta, backend), residual)
+        return self.mlp(h), residual
 
 
 class Backbone(torch.nn.Module):
@@ -97,10 +102,10 @@ class LlamaForCausalLM(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """Hidden states [T, hidden] for a flat batch of T tokens."""
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None  # a fresh tensor: the residual grows in it
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(positions, x, self.rotary, kv_cache, meta, backend)
-        return self.model.norm(x)
+            x, residual = layer(positions, x, residual, self.rotary, kv_cache, meta, backend)
+        return self.model.norm(x, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
