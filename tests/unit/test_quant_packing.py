@@ -122,6 +122,59 @@ def test_kernel_matches_reference(bits, group, zeros, coded, rows, dtype):
         torch.testing.assert_close(y.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
+def _int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as the int4 kernel quantizes it for bf16 / float16 rows: int8 per 32 inputs, step amax / 127,
+    round to nearest even. Returns (x_hat, step per input, step where the rounding is a tie else 0)."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    step = amax / 127
+    scaled = blocks * inv
+    x_hat = scaled.round() * step
+    # bf16 / float16 inputs land on exact halves of a step now and then, where the kernel's float
+    # arithmetic (fast-math) may round the other way: one step off, allowed for by the caller
+    tie = ((scaled - scaled.floor() - 0.5).abs() < 1e-3).float()
+    return x_hat.reshape(x.shape), step.expand_as(blocks).reshape(x.shape), (tie * step).reshape(x.shape)
+
+
+@pytest.mark.parametrize("k, group", [(576, 16), (576, 32), (576, 64), (1536, 128), (96, 32), (96, 48), (160, 32)])
+@pytest.mark.parametrize("coded", [False, True])
+@pytest.mark.parametrize("zeros", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_int8_activation_kernel(k, group, coded, zeros, dtype):
+    """The few-row int4 kernel quantizes bf16 / float16 x to int8 per 32 inputs: it computes w . x_hat,
+    so its distance to x . w is bounded by sum_k |w_k| * step_k / 2 (plus the output's own rounding)."""
+    kernels = _kernels()
+    torch.manual_seed(k + group)
+    n = 75  # NR = 4 rows of W per pass, plus a remainder of 3
+    w = torch.randn(n, k) * 0.1
+    q, s, z, f = packing.quantize_int4(w, group, coded=coded)
+    if not zeros:
+        z = None
+    ref_w = packing.dequantize(q, s, z, 4, torch.float32, f)
+    out_eps = 2**-8 if dtype == torch.bfloat16 else 2**-11  # rounding of y to x's dtype
+    for rows in (1, 2, 3, 5):
+        x = torch.randn(rows, k)
+        x[:, 7] *= 30  # an outlier input: its block's step is large, others stay fine
+        if rows > 1:
+            x[1] = 0  # an all-zero row (step 0)
+        x = x.to(dtype)
+        y = kernels.quant_linear(x, q, s, z, f, group, 4, 8, 0, 4096)
+        assert y.dtype == dtype
+        y = y.float()
+        ref = x.float() @ ref_w.T
+        x_hat, step, tie_step = _int8_blocks(x)
+        bound = ref_w.abs() @ (step / 2).T  # [n, rows]: the activation rounding, worst case
+        slack = out_eps * ref.abs() + 1e-5 * (ref_w.abs() @ x.float().abs().T).T
+        assert ((y - ref).abs() <= bound.T * 1.001 + slack).all(), ((y - ref).abs() / (bound.T + slack)).max()
+        # ... and it is exactly w . x_hat up to float rounding: a wrong lane, group or step would show here
+        emulated = x_hat @ ref_w.T
+        ties = tie_step @ ref_w.abs().T
+        atol = 1e-5 * (x_hat.abs() @ ref_w.abs().T).max().item()
+        assert ((y - emulated).abs() <= ties * 1.001 + atol + out_eps * emulated.abs()).all()
+        assert (y - ref).abs().mean() < 0.3 * bound.mean()  # typical errors are well inside the bound
+
+
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 40, 300])
 def test_dense_bf16_kernel_matches_torch(rows):
     kernels = _kernels()
