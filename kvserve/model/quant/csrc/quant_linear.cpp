@@ -711,28 +711,39 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 
 #if defined(__AVX512BF16__)
 // Dense bf16 W and bf16 x, MB rows: vdpbf16ps multiplies 32 bf16 pairs and accumulates in float32,
-// so W streams through with no conversion at all (the memory-bound decode case).
+// so W streams through with no conversion at all (the memory-bound decode case). Several rows of W
+// per pass (as many as the registers hold) and a prefetch kAhead rows ahead keep more cache-line
+// fills in flight: one row at a time read 10 GB/s from memory here, this 12.5 (a read-only loop: 12.6).
 template <int MB>
 void dense_bf16_rows(const uint16_t* w, const uint16_t* x, int64_t k, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  constexpr int R = MB == 1 ? 8 : 4, kAhead = 8;
   const int64_t chunks = k / 32;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint16_t* row = w + n * k;
-    __m512 acc[2][MB];
-    for (int m = 0; m < MB; ++m) acc[0][m] = acc[1][m] = _mm512_setzero_ps();
-    int64_t c = 0;
-    for (; c + 2 <= chunks; c += 2) {
-      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row + c * 32), w1 = (__m512bh)_mm512_loadu_si512(row + c * 32 + 32);
-      for (int m = 0; m < MB; ++m) {
-        acc[0][m] = _mm512_dpbf16_ps(acc[0][m], w0, (__m512bh)_mm512_loadu_si512(x + m * k + c * 32));
-        acc[1][m] = _mm512_dpbf16_ps(acc[1][m], w1, (__m512bh)_mm512_loadu_si512(x + m * k + c * 32 + 32));
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    __m512 acc[R][MB];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m512bh xv[MB];
+      for (int m = 0; m < MB; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * k + c * 32);
+      for (int r = 0; r < R; ++r) {
+        const uint16_t* p = w + (n + r) * k + c * 32;
+        _mm_prefetch(reinterpret_cast<const char*>(p + kAhead * k), _MM_HINT_T0);
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(p);
+        for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);
       }
     }
-    if (c < chunks) {
-      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row + c * 32);
-      for (int m = 0; m < MB; ++m)
-        acc[0][m] = _mm512_dpbf16_ps(acc[0][m], w0, (__m512bh)_mm512_loadu_si512(x + m * k + c * 32));
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) y[m * ldy + n + r] = _mm512_reduce_add_ps(acc[r][m]);
+  }
+  for (; n < n1; ++n) {
+    __m512 acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + n * k + c * 32);
+      for (int m = 0; m < MB; ++m) acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_loadu_si512(x + m * k + c * 32));
     }
-    for (int m = 0; m < MB; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]));
+    for (int m = 0; m < MB; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(acc[m]);
   }
 }
 
