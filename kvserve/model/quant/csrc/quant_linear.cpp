@@ -827,9 +827,12 @@ at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quant_linear", &quant_linear, "weight-only int8/int4 linear (CPU)");
-  m.def("dequantize", &dequantize, "dequantize an int8/int4 weight (CPU)");
-  m.def("dense_linear", &dense_linear, "x W^T for a dense bf16 weight and a few rows of x (CPU)");
+  // The matmuls run without the GIL, as torch's own ops do: the server's event loop thread streams
+  // tokens meanwhile instead of stalling the engine thread (up to the 5 ms switch interval) for it.
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
+  m.def("quant_linear", &quant_linear, "weight-only int8/int4 linear (CPU)", no_gil);
+  m.def("dequantize", &dequantize, "dequantize an int8/int4 weight (CPU)", no_gil);
+  m.def("dense_linear", &dense_linear, "x W^T for a dense bf16 weight and a few rows of x (CPU)", no_gil);
 #if defined(KVSERVE_AMX)
   m.def("has_amx", [] { return amx_ready(); }, "AMX tiles usable in this process");
 #else
