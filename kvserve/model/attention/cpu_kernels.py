@@ -48,6 +48,7 @@ def build_extension(prefix: str, source: Path) -> ModuleType | None:
         return None
 
 
+@cache
 def load_cpu_kernels() -> ModuleType | None:
     """The paged decode attention kernel (see csrc/paged_decode.cpp), or None."""
     return build_extension("kvserve_cpu", _SOURCE)

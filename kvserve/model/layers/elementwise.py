@@ -7,6 +7,7 @@ for rotary), so the model code does not care which one runs.
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ _CSRC = Path(__file__).parent / "csrc" / "elementwise.cpp"
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+@cache  # called several times per layer and step: a no-argument cache hit is the cheapest lookup
 def load_elementwise_kernels():
     """The compiled kernels, or None where they cannot be built (see cpu_kernels.build_extension)."""
     from kvserve.model.attention.cpu_kernels import build_extension

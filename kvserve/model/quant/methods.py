@@ -13,6 +13,7 @@ the weight is dequantized per call and multiplied with torch (correct, not fast)
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ _TILE_BYTES = 1 << 21  # a dequantized tile of W that stays in L2 while at::mm r
 _LOAD_CHUNK_VALUES = 1 << 18
 
 
+@cache  # called for every linear of every step: a no-argument cache hit is the cheapest lookup
 def load_quant_kernels():
     """The compiled int8/int4 kernels, or None where they cannot be built."""
     from kvserve.model.attention.cpu_kernels import build_extension
@@ -70,13 +72,13 @@ class Dense(QuantMethod):
         layer.weight.data[start:start + count].copy_(dense)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        w = layer.weight
+        w = layer._parameters["weight"]  # not layer.weight: nn.Module's attribute lookup costs µs per call
         if x.device.type == "cpu" and w.dtype == torch.bfloat16 and layer.in_features % 32 == 0:
-            flat = x.reshape(-1, layer.in_features)
+            flat = x if x.dim() == 2 else x.reshape(-1, layer.in_features)
             kernels = load_quant_kernels() if flat.shape[0] <= _MAX_DENSE_KERNEL_ROWS else None
             if kernels is not None:  # 1.6-3.5x oneDNN at 1 row, 1.2-2x at 4; AMX tiles win at 32 too
                 y = kernels.dense_linear(flat.contiguous(), w, _MAX_DENSE_FUSED_ROWS, _MAX_AMX_ROWS)
-                return y.reshape(*x.shape[:-1], layer.out_features)
+                return y if x.dim() == 2 else y.reshape(*x.shape[:-1], layer.out_features)
         return F.linear(x, w)
 
     def embed(self, layer, ids: torch.Tensor) -> torch.Tensor:
@@ -188,9 +190,14 @@ class GroupQuant(QuantMethod):
         if kernels is None:
             y = F.linear(flat, self.dense(layer, x.dtype))
         else:
-            y = kernels.quant_linear(flat.contiguous(), layer.qweight, layer.scales, layer.zeros, layer.factors,
-                                     self.layer_group(layer), self.bits, _MAX_FUSED_ROWS.get(x.dtype, 8),
-                                     _MAX_AMX_ROWS, _TILE_BYTES)
+            # The weight tensors and their layout, gathered once: per call it cost more than a small layer's
+            # whole decode matmul (module attribute lookups, the group size search).
+            args = layer.__dict__.get("_kernel_args")
+            if args is None or args[0] is not layer._buffers["qweight"]:  # first call, or tensors rebound
+                args = layer._kernel_args = (layer.qweight, layer.scales, layer.zeros, layer.factors,
+                                             self.layer_group(layer), self.bits)
+            y = kernels.quant_linear(flat.contiguous(), *args, _MAX_FUSED_ROWS.get(x.dtype, 8), _MAX_AMX_ROWS,
+                                     _TILE_BYTES)
         return y.reshape(*x.shape[:-1], layer.out_features)
 
     def dense(self, layer, dtype: torch.dtype) -> torch.Tensor:

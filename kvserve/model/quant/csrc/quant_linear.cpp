@@ -230,7 +230,7 @@ at::Tensor fused(const QuantWeight& w, const at::Tensor& x) {
 
 // Rows of W ahead of the current one to prefetch: the hardware prefetcher alone leaves a cold (DRAM)
 // weight 1.5-2x slower than this (measured on the default model's shapes).
-constexpr int64_t kPrefetchRows = 16;
+constexpr int64_t kPrefetchRows = 64;
 
 struct alignas(64) QBlock {  // 128 inputs of one row of x
   int8_t lo[64], hi[64];     // inputs 0-15 / 16-31 of chunks 0-3, 16 bytes per chunk
