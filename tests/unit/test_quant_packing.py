@@ -123,7 +123,7 @@ def test_kernel_matches_reference(bits, group, zeros, coded, rows, dtype):
 
 
 def _int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x as the int4 kernel quantizes it for bf16 / float16 rows: int8 per 32 inputs, step amax / 127,
+    """x as the int4 / int8 kernels quantize it for bf16 / float16 rows: int8 per 32 inputs, step amax / 127,
     round to nearest even. Returns (x_hat, step per input, step where the rounding is a tie else 0)."""
     blocks = x.float().reshape(x.shape[0], -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
@@ -152,6 +152,25 @@ def test_int4_int8_activation_kernel(k, group, coded, zeros, dtype):
     if not zeros:
         z = None
     ref_w = packing.dequantize(q, s, z, 4, torch.float32, f)
+    _check_activation_kernel(kernels, q, s, z, f, group, 4, ref_w, k, dtype)
+
+
+@pytest.mark.parametrize("k, group", [(576, 16), (576, 32), (576, 576), (1536, 128), (96, 32), (96, 48), (160, 32)])
+@pytest.mark.parametrize("zeros", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int8_int8_activation_kernel(k, group, zeros, dtype):
+    """The few-row int8 kernel does the same with int8 weights: symmetric like Q8_0 and int8
+    quantization, or with zero points (GGUF K-quants kept as int8 groups), per channel too."""
+    kernels = _kernels()
+    torch.manual_seed(k + group)
+    w = torch.randn(75, k) * 0.1
+    q, s = packing.quantize_int8(w, group)
+    z = (torch.randn_like(s.float()) * s.float() * 20).half() if zeros else None
+    ref_w = packing.dequantize(q, s, z, 8, torch.float32)
+    _check_activation_kernel(kernels, q, s, z, None, group, 8, ref_w, k, dtype)
+
+
+def _check_activation_kernel(kernels, q, s, z, f, group, bits, ref_w, k, dtype):
     out_eps = 2**-8 if dtype == torch.bfloat16 else 2**-11  # rounding of y to x's dtype
     for rows in (1, 2, 3, 5):
         x = torch.randn(rows, k)
@@ -159,7 +178,7 @@ def test_int4_int8_activation_kernel(k, group, coded, zeros, dtype):
         if rows > 1:
             x[1] = 0  # an all-zero row (step 0)
         x = x.to(dtype)
-        y = kernels.quant_linear(x, q, s, z, f, group, 4, 8, 0, 4096)
+        y = kernels.quant_linear(x, q, s, z, f, group, bits, 8, 0, 4096)
         assert y.dtype == dtype
         y = y.float()
         ref = x.float() @ ref_w.T

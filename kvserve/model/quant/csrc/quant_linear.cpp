@@ -11,8 +11,8 @@
 //
 // Few rows of x (decode): a fused kernel reads each weight once and uses it for up to kFusedRows rows
 // of x; memory traffic is the packed weight only. int4 W with bf16 / float16 x (VNNI): x is quantized
-// to int8 per 32 inputs and multiplied with W's nibbles as bytes (int4_fused); otherwise each weight
-// is dequantized to float in registers.
+// to int8 per 32 inputs and multiplied with W's nibbles as bytes (int4_fused); int8 W likewise
+// (int8_fused); float32 x or no VNNI: each weight is dequantized to float in registers.
 // More rows, bf16 x, AMX present: 16 x 32 tiles of W dequantized in registers straight into AMX A
 // tiles (below). Many rows (prefill) or other dtypes: dequantize a tile of W into x's dtype and hand
 // it to at::mm (oneDNN), so the dequantization is amortised over every row of x.
@@ -431,6 +431,143 @@ at::Tensor int4_fused_any(const QuantWeight& w, const at::Tensor& x) {
   if (w.factors) return split ? int4_fused<T, true, true>(w, x) : int4_fused<T, true, false>(w, x);
   return split ? int4_fused<T, false, true>(w, x) : int4_fused<T, false, false>(w, x);
 }
+
+// ---- int8 W x int8 x (VNNI): few rows of bf16 / float16 x ------------------------------------------
+// The same idea for int8 weights (int8 quantization, GGUF Q8_0 and the K-quants kept as int8): x is
+// quantized to int8 per 32 inputs in natural order, and 64 weights (one load) multiply it per
+// vpdpbusd. vpdpbusd wants one unsigned operand, so x is stored offset by 128 (1..255) and
+// 128 * sum(w), itself a vpdpbusd of W with ones, is taken off again. Lane i of block b covers
+// inputs 64b + 4i .. 64b + 4i + 3: one group and one chunk of x, so one float factor per lane.
+struct alignas(64) Int8Block {  // per 64-input block of a row of W; the same for every row
+  __mmask64 wmask;              // bytes of W inside the row
+  __mmask8 pmask;               // which of groups g0 .. g0 + 7 exist
+  int32_t g0;
+  alignas(64) int32_t group[16];  // lane i: group - g0
+};
+
+struct Int8X {  // one row of x, quantized: 64 * blocks bytes (x + 128), then the step of each lane
+  uint8_t* q;
+  float* step;  // [blocks][16]
+};
+
+template <typename T>
+void quantize_x_u8(const T* x, int64_t k, int64_t group, int64_t blocks, Int8X out, float* xsum, int64_t gpad) {
+  std::memset(out.q, 128, blocks * 64);  // x = 0 past K (W is masked there too)
+  std::fill(xsum, xsum + gpad, 0.f);
+  for (int64_t c = 0; c < k / 32; ++c) {
+    const __m512 a = load16(x + 32 * c), b = load16(x + 32 * c + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const float step = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+    const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+    const __m512i off = _mm512_set1_epi32(128);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q + 32 * c), _mm512_cvtepi32_epi8(_mm512_add_epi32(qa, off)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q + 32 * c + 16), _mm512_cvtepi32_epi8(_mm512_add_epi32(qb, off)));
+    float* lane_steps = out.step + (c / 2) * 16 + (c % 2) * 8;
+    std::fill(lane_steps, lane_steps + 8, step);
+    xsum[32 * c / group] += step * _mm512_reduce_add_epi32(qa);
+    xsum[(32 * c + 16) / group] += step * _mm512_reduce_add_epi32(qb);
+  }
+}
+
+template <typename T, int MB, int NR>
+void int8_rows(const QuantWeight& w, const Int8Block* lanes, int64_t blocks, const Int8X* xq, const float* xsum,
+               int64_t gpad, int64_t n0, int64_t n1, T* y, int64_t ldy) {
+  const int64_t groups = w.groups();
+  const __m512i ones = _mm512_set1_epi8(1), zero = _mm512_setzero_si512();
+  for (int64_t n = n0; n < n1; n += NR) {
+    __m512 acc[NR][MB];
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+    for (int r = 0; r < NR; ++r) {
+      const int64_t at = (n + r + kPrefetchRows) * groups * 2;
+      _mm_prefetch(static_cast<const char*>(w.scales) + at, _MM_HINT_T0);
+      if (w.zeros) _mm_prefetch(static_cast<const char*>(w.zeros) + at, _MM_HINT_T0);
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      const Int8Block& L = lanes[b];
+      for (int r = 0; r < NR; ++r) {
+        const uint8_t* wp = w.data + (n + r) * w.k + 64 * b;
+        _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetchRows * w.k), _MM_HINT_T0);
+        const __m512i wv = _mm512_maskz_loadu_epi8(L.wmask, wp);
+        const __m512i offset = _mm512_slli_epi32(_mm512_dpbusd_epi32(zero, ones, wv), 7);  // 128 * sum(w)
+        const __m512 scale = _mm512_permutexvar_ps(_mm512_load_si512(L.group), scale_window<false>(w, n + r, L.g0, L.pmask));
+        for (int m = 0; m < MB; ++m) {
+          const __m512i d = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, _mm512_loadu_si512(xq[m].q + 64 * b), wv), offset);
+          const __m512 f = _mm512_mul_ps(scale, _mm512_loadu_ps(xq[m].step + 16 * b));
+          acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), f, acc[r][m]);
+        }
+      }
+    }
+    if (w.zeros) {
+      for (int64_t g = 0; g < groups; g += 16) {
+        const __mmask16 mask = groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (groups - g)) - 1);
+        for (int r = 0; r < NR; ++r) {
+          const __m512 z = zero_window<false>(w, n + r, g, mask);
+          for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(z, _mm512_loadu_ps(xsum + m * gpad + g), acc[r][m]);
+        }
+      }
+    }
+    for (int m = 0; m < MB; ++m) {
+      if constexpr (NR == 4) {
+        alignas(64) float sums[16];
+        _mm512_store_ps(sums, reduce4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
+        for (int r = 0; r < 4; ++r) y[m * ldy + n + r] = static_cast<T>(sums[4 * r]);
+      } else {
+        for (int r = 0; r < NR; ++r) y[m * ldy + n + r] = static_cast<T>(_mm512_reduce_add_ps(acc[r][m]));
+      }
+    }
+  }
+}
+
+template <typename T>
+at::Tensor int8_fused(const QuantWeight& w, const at::Tensor& x) {
+  const int64_t m = x.size(0), blocks = (w.k + 63) / 64, gpad = (w.groups() + 15) / 16 * 16;
+  thread_local std::vector<__m512i> scratch;  // lane table; per row of x: bytes, lane steps; then xsum
+  const int64_t lane_vecs = blocks * sizeof(Int8Block) / 64;
+  scratch.resize(lane_vecs + m * 2 * blocks + m * gpad / 16);
+  Int8Block* lanes = reinterpret_cast<Int8Block*>(scratch.data());
+  float* xsum = reinterpret_cast<float*>(scratch.data() + lane_vecs + m * 2 * blocks);
+  for (int64_t b = 0; b < blocks; ++b) {
+    Int8Block& L = lanes[b];
+    L.g0 = static_cast<int32_t>(64 * b / w.group);
+    const int64_t end = std::min(w.groups(), (std::min(64 * b + 64, w.k) - 1) / w.group + 1);
+    L.pmask = static_cast<__mmask8>((1u << (end - L.g0)) - 1);  // at most 4: groups are >= 16 inputs
+    const int64_t bytes = std::min<int64_t>(64, w.k - 64 * b);
+    L.wmask = bytes == 64 ? ~0ull : (1ull << bytes) - 1;
+    for (int i = 0; i < 16; ++i)  // lanes past K: x is zero there, any group will do
+      L.group[i] = 64 * b + 4 * i < w.k ? static_cast<int32_t>((64 * b + 4 * i) / w.group - L.g0) : 0;
+  }
+  std::vector<Int8X> xq(m);
+  const T* xp = x.data_ptr<T>();
+  for (int64_t r = 0; r < m; ++r) {
+    __m512i* row = scratch.data() + lane_vecs + r * 2 * blocks;
+    xq[r] = Int8X{reinterpret_cast<uint8_t*>(row), reinterpret_cast<float*>(row + blocks)};
+    quantize_x_u8(xp + r * w.k, w.k, w.group, blocks, xq[r], xsum + r * gpad, gpad);
+  }
+  at::Tensor y = at::empty({m, w.n}, x.options());
+  T* yp = y.data_ptr<T>();
+  at::parallel_for(0, w.n, 16, [&](int64_t n0, int64_t n1) {
+    const int64_t n4 = n0 + (n1 - n0) / 4 * 4;
+    for (int64_t m0 = 0; m0 < m; m0 += kFusedRows) {
+      const Int8X* xm = xq.data() + m0;
+      const float* sm = xsum + m0 * gpad;
+      T* ym = yp + m0 * w.n;
+      switch (std::min<int64_t>(kFusedRows, m - m0)) {
+#define KVSERVE_INT8_ROWS(MB)                                                       \
+  int8_rows<T, MB, 4>(w, lanes, blocks, xm, sm, gpad, n0, n4, ym, w.n);             \
+  int8_rows<T, MB, 1>(w, lanes, blocks, xm, sm, gpad, n4, n1, ym, w.n);             \
+  break;
+        case 1: KVSERVE_INT8_ROWS(1)
+        case 2: KVSERVE_INT8_ROWS(2)
+        case 3: KVSERVE_INT8_ROWS(3)
+        default: KVSERVE_INT8_ROWS(4)
+#undef KVSERVE_INT8_ROWS
+      }
+    }
+  });
+  return y;
+}
 #endif
 
 // ---- dequantize rows [n0, n1) of W into out (row-major [n1 - n0, K]) -------------------------------
@@ -717,6 +854,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 #if defined(KVSERVE_VNNI)
     if (bits == 4 && x.scalar_type() == at::kBFloat16) return int4_fused_any<c10::BFloat16>(w, x);
     if (bits == 4 && x.scalar_type() == at::kHalf) return int4_fused_any<c10::Half>(w, x);
+    if (bits == 8 && !w.factors && w.k % 32 == 0 && x.scalar_type() == at::kBFloat16) return int8_fused<c10::BFloat16>(w, x);
+    if (bits == 8 && !w.factors && w.k % 32 == 0 && x.scalar_type() == at::kHalf) return int8_fused<c10::Half>(w, x);
 #endif
     return bits == 4 ? fused<4>(w, x) : fused<8>(w, x);
   }
