@@ -119,7 +119,7 @@ def measure(args: argparse.Namespace) -> dict[tuple[str, int], dict[str, list[fl
             row = ask(workers[policy], n, condition)
             rates[(policy, n)][condition].append(row["tokens_per_s"])
             print(f"  threads={n} wait={policy:8} {condition:5} {row['tokens_per_s']:7.1f} tok/s "
-                  f"(load avg {row['load']:.1f}; idle threads {'sleep' if row['passive'] else 'spin'})",
+                  f"(load avg {row['load']:.1f}; idle threads {'soon sleep' if row['passive'] else 'spin'})",
                   file=sys.stderr, flush=True)
     finally:
         for proc in workers.values():
@@ -150,7 +150,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", default="1,2", help="comma-separated torch thread counts to try")
     p.add_argument("--wait-policy", default="default,GOMP_SPINCOUNT=300000",
-                   help="comma-separated OpenMP settings: 'default' (none: kvserve's own choice, PASSIVE), an "
+                   help="comma-separated OpenMP settings: 'default' (none: kvserve's own choice, GOMP_SPINCOUNT=3000), an "
                         "OMP_WAIT_POLICY value (ACTIVE, PASSIVE) or KEY=VALUE pairs joined by ';'; "
                         "GOMP_SPINCOUNT=300000 is GNU OpenMP's own default (spin ~3 ms, then sleep)")
     p.add_argument("--rounds", type=int, default=3, help="runs of every setting, interleaved")

@@ -1,17 +1,21 @@
-"""How many CPU threads the engine's tensor ops use, and how OpenMP's idle threads wait.
+"""How many CPU threads the engine's tensor ops use, and how long OpenMP's idle threads spin.
 
-torch splits every op across its OpenMP threads and waits for the slowest at a barrier. By default
-GNU OpenMP (what the torch wheels use) makes a thread that reaches the barrier early *spin*. When
-another process takes one of the cores, the thread that shares that core runs only when the kernel
-scheduler gives it a slice, and meanwhile its sibling spins, burning the core the straggler could
-have moved to: on a shared 2-core machine two spinning threads fell to a tenth of one thread's W1
-throughput. With ``OMP_WAIT_POLICY=PASSIVE`` a thread that is done sleeps at once, its core goes
-idle, and the straggler is pulled onto it; two passive threads held up with a busy core and beat one
-thread (benchmarks/thread_contention.py measures all of this; figures in benchmarks/README.md).
+torch and kvserve's C++ kernels split every op across OpenMP threads and wait for the slowest at
+a barrier. How a thread waits matters in both directions on a small shared machine:
+- A thread that *sleeps* at once (``OMP_WAIT_POLICY=PASSIVE``) has to be woken by the next op, tens
+  of microseconds each time; a decode step runs ~150 parallel kernels, so this alone halved the
+  speed (single-stream bf16 decode 31 vs 59 tok/s, batch 32 509 vs 870 tok/s, one script run).
+- A thread that *spins* without end (GNU OpenMP's default, or ``ACTIVE``) collapses when another
+  process takes one of the cores: its sibling spins while the thread sharing the busy core waits
+  for a time slice, and W1 fell to a tenth.
+- A bounded spin (``GOMP_SPINCOUNT``) keeps threads awake between the kernels of a step and lets
+  them sleep soon after. With 3,000 spins W1 ran at 489 tok/s quiet and 268 (55%) with a busy
+  loop pinned to one of the two cores; 30,000 spins gave 559 quiet but 115 (20%) busy; 10,000 gave
+  480 and 176 (37%) (benchmarks/compare_engines.py, with and without ``--busy-core 1``).
 
-So kvserve sets ``OMP_WAIT_POLICY=PASSIVE`` (unless the environment already says otherwise) when
-it is imported, before torch starts OpenMP, and then uses every available core. If torch started
-OpenMP first, or the policy is not PASSIVE, idle threads spin and kvserve leaves one core free
+So kvserve sets ``GOMP_SPINCOUNT=3000`` when it is imported, before torch starts OpenMP, unless the
+environment already chose a policy or a spin count, and then uses every available core. If torch
+started OpenMP first, or the environment asks for unbounded spinning, kvserve leaves one core free
 instead (``cores - 1``, at least 1).
 
 Thread count precedence: an explicit request (``--num-threads``, ``configure_threads(n)``) >
@@ -27,6 +31,9 @@ from dataclasses import dataclass
 
 ENV_VAR = "KVSERVE_NUM_THREADS"
 WAIT_POLICY = "OMP_WAIT_POLICY"
+SPIN_COUNT = "GOMP_SPINCOUNT"
+DEFAULT_SPIN_COUNT = 3000
+MAX_BOUNDED_SPIN_COUNT = 100_000  # beyond this a waiting thread burns milliseconds: treated as spinning
 
 
 @dataclass(frozen=True)
@@ -38,15 +45,18 @@ class ThreadChoice:
 
 
 def prepare_openmp(environ: MutableMapping[str, str], torch_loaded: bool) -> bool:
-    """Ask for passive OpenMP waiting unless the user chose a policy; True if idle threads will sleep.
+    """Ask for a bounded spin unless the user chose a policy or spin count; True if idle threads
+    stop spinning soon (a bounded spin count, or passive waiting).
 
     OpenMP reads its environment once, when torch loads it, so this only takes effect if
     ``torch_loaded`` is False (or the policy was already in the environment).
     """
-    if WAIT_POLICY not in environ and not torch_loaded:
-        environ[WAIT_POLICY] = "PASSIVE"
-    spin_count = environ.get("GOMP_SPINCOUNT", "").strip()  # GNU OpenMP: overrides the policy's spinning
-    return environ.get(WAIT_POLICY, "").strip().upper() == "PASSIVE" and spin_count in ("", "0")
+    if WAIT_POLICY not in environ and SPIN_COUNT not in environ and not torch_loaded:
+        environ[SPIN_COUNT] = str(DEFAULT_SPIN_COUNT)
+    spin = environ.get(SPIN_COUNT, "").strip()
+    if spin:  # GNU OpenMP: overrides the policy's own spin count
+        return spin.isdigit() and int(spin) <= MAX_BOUNDED_SPIN_COUNT
+    return environ.get(WAIT_POLICY, "").strip().upper() == "PASSIVE"
 
 
 def available_cpus() -> int:
@@ -57,9 +67,10 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def default_num_threads(cpus: int, passive_wait: bool) -> int:
-    """Every core when idle threads sleep; else all but one, so a neighbour cannot strand a spinning barrier."""
-    return cpus if passive_wait else max(1, cpus - 1)
+def default_num_threads(cpus: int, bounded_wait: bool) -> int:
+    """Every core when idle threads soon sleep; else all but one, so a neighbour cannot strand a
+    spinning barrier."""
+    return cpus if bounded_wait else max(1, cpus - 1)
 
 
 def _parse(value: int | str, origin: str) -> int:
@@ -117,7 +128,7 @@ _SETTINGS = ThreadSettings(prepare_openmp(os.environ, torch_loaded="torch" in sy
 
 
 def openmp_waits_passively() -> bool:
-    """Whether this process's OpenMP threads sleep (True) or spin while they wait."""
+    """Whether this process's OpenMP threads soon sleep (True) or spin without end while they wait."""
     return _SETTINGS.passive_wait
 
 

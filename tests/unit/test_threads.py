@@ -8,29 +8,31 @@ from kvserve.worker import threads
 from kvserve.worker.threads import ENV_VAR, ThreadChoice, ThreadSettings, pick_num_threads, prepare_openmp
 
 
-def test_passive_wait_is_set_before_torch_loads():
+def test_bounded_spin_is_set_before_torch_loads():
     env: dict[str, str] = {}
     assert prepare_openmp(env, torch_loaded=False) is True
-    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert env == {"GOMP_SPINCOUNT": str(threads.DEFAULT_SPIN_COUNT)}
 
 
 def test_too_late_after_torch_loaded():
     env: dict[str, str] = {}
-    assert prepare_openmp(env, torch_loaded=True) is False
+    assert prepare_openmp(env, torch_loaded=True) is False  # GNU OpenMP's default spins long
     assert env == {}
 
 
-@pytest.mark.parametrize("policy, passive", [("ACTIVE", False), ("passive", True)])
-def test_the_users_policy_is_kept(policy, passive):
+@pytest.mark.parametrize("policy, bounded", [("ACTIVE", False), ("passive", True)])
+def test_the_users_policy_is_kept(policy, bounded):
     env = {"OMP_WAIT_POLICY": policy}
-    assert prepare_openmp(env, torch_loaded=True) is passive
+    assert prepare_openmp(env, torch_loaded=False) is bounded
     assert env == {"OMP_WAIT_POLICY": policy}
 
 
-def test_a_gnu_spin_count_means_spinning():
-    env = {"GOMP_SPINCOUNT": "300000"}
-    assert prepare_openmp(env, torch_loaded=False) is False
-    assert prepare_openmp({"GOMP_SPINCOUNT": "0"}, torch_loaded=False) is True
+@pytest.mark.parametrize("count, bounded", [("0", True), ("3000", True), ("300000", False), ("lots", False)])
+def test_the_users_spin_count_is_kept(count, bounded):
+    env = {"GOMP_SPINCOUNT": count}
+    assert prepare_openmp(env, torch_loaded=False) is bounded
+    assert env == {"GOMP_SPINCOUNT": count}
+    assert prepare_openmp({"GOMP_SPINCOUNT": count, "OMP_WAIT_POLICY": "PASSIVE"}, torch_loaded=False) is bounded
 
 
 @pytest.mark.parametrize("cpus, passive, expected", [(2, True, 2), (16, True, 16), (1, False, 1), (2, False, 1),
