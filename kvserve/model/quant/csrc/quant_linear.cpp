@@ -324,6 +324,32 @@ inline __m512 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));
 }
 
+// The end of NR rows of W against MB rows of x (both VNNI kernels): add the zero points' term
+// sum_g zero[g] * xsum[g] to the accumulators, reduce them and store y in x's dtype.
+template <bool CODED, typename T, int MB, int NR>
+inline void finish_rows(const QuantWeight& w, __m512 (&acc)[NR][MB], const float* xsum, int64_t gpad, int64_t n,
+                        T* y, int64_t ldy) {
+  const int64_t groups = w.groups();
+  if (w.zeros) {
+    for (int64_t g = 0; g < groups; g += 16) {
+      const __mmask16 mask = groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (groups - g)) - 1);
+      for (int r = 0; r < NR; ++r) {
+        const __m512 z = zero_window<CODED>(w, n + r, g, mask);
+        for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(z, _mm512_loadu_ps(xsum + m * gpad + g), acc[r][m]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    if constexpr (NR == 4) {
+      alignas(64) float sums[16];
+      _mm512_store_ps(sums, reduce4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
+      for (int r = 0; r < 4; ++r) y[m * ldy + n + r] = static_cast<T>(sums[4 * r]);
+    } else {
+      for (int r = 0; r < NR; ++r) y[m * ldy + n + r] = static_cast<T>(_mm512_reduce_add_ps(acc[r][m]));
+    }
+  }
+}
+
 // Rows [n0, n1) of W (a multiple of NR of them) against MB rows of quantized x; NR rows of W per pass
 // share each block of x. SPLIT: groups that split a chunk (16, 48, ...), so its halves scale apart.
 template <typename T, bool CODED, bool SPLIT, int MB, int NR>
@@ -365,24 +391,7 @@ void int4_rows(const QuantWeight& w, const BlockLanes* lanes, int64_t blocks, co
         }
       }
     }
-    if (w.zeros) {
-      for (int64_t g = 0; g < groups; g += 16) {
-        const __mmask16 mask = groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (groups - g)) - 1);
-        for (int r = 0; r < NR; ++r) {
-          const __m512 z = zero_window<CODED>(w, n + r, g, mask);
-          for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(z, _mm512_loadu_ps(xsum + m * gpad + g), acc[r][m]);
-        }
-      }
-    }
-    for (int m = 0; m < MB; ++m) {
-      if constexpr (NR == 4) {
-        alignas(64) float s[16];
-        _mm512_store_ps(s, reduce4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
-        for (int r = 0; r < 4; ++r) y[m * ldy + n + r] = static_cast<T>(s[4 * r]);
-      } else {
-        for (int r = 0; r < NR; ++r) y[m * ldy + n + r] = static_cast<T>(_mm512_reduce_add_ps(acc[r][m]));
-      }
-    }
+    finish_rows<CODED, T, MB, NR>(w, acc, xsum, gpad, n, y, ldy);
   }
 }
 
@@ -499,24 +508,7 @@ void int8_rows(const QuantWeight& w, const Int8Block* lanes, int64_t blocks, con
         }
       }
     }
-    if (w.zeros) {
-      for (int64_t g = 0; g < groups; g += 16) {
-        const __mmask16 mask = groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (groups - g)) - 1);
-        for (int r = 0; r < NR; ++r) {
-          const __m512 z = zero_window<false>(w, n + r, g, mask);
-          for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(z, _mm512_loadu_ps(xsum + m * gpad + g), acc[r][m]);
-        }
-      }
-    }
-    for (int m = 0; m < MB; ++m) {
-      if constexpr (NR == 4) {
-        alignas(64) float sums[16];
-        _mm512_store_ps(sums, reduce4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
-        for (int r = 0; r < 4; ++r) y[m * ldy + n + r] = static_cast<T>(sums[4 * r]);
-      } else {
-        for (int r = 0; r < NR; ++r) y[m * ldy + n + r] = static_cast<T>(_mm512_reduce_add_ps(acc[r][m]));
-      }
-    }
+    finish_rows<false, T, MB, NR>(w, acc, xsum, gpad, n, y, ldy);
   }
 }
 
