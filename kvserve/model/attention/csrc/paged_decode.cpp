@@ -359,7 +359,13 @@ void run(const at::Tensor& q, const Rows& k_rows, const Rows& v_rows, int64_t bl
   const bool vectorised = head_dim % 16 == 0 && group <= 64;
   using Elem = std::remove_const_t<std::remove_pointer_t<decltype(k_rows.base)>>;
 #endif
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // A second thread costs a wake-up (tens of microseconds) that a short batch never earns back:
+  // split only when there are at least ~64K cached values per thread to read.
+  int64_t total = 0;
+  for (int64_t b = 0; b < batch; ++b) total += sl[b];
+  const int64_t pairs = batch * num_kv_heads, work = total * num_kv_heads * head_dim;
+  const int64_t grain = work < (int64_t{1} << 17) ? pairs : 1;
+  at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
 #if defined(__AVX512F__)
     if (vectorised) {
       Scratch s(group, head_dim);

@@ -232,6 +232,10 @@ at::Tensor fused(const QuantWeight& w, const at::Tensor& x) {
 // weight 1.5-2x slower than this (measured on the default model's shapes).
 constexpr int64_t kPrefetchRows = 64;
 
+// Rows of W per parallel task for the few-row kernels: a second thread costs a wake-up (tens of
+// microseconds) that a small matrix never earns back, so split only beyond ~256 KB of W per task.
+inline int64_t rows_per_task(int64_t row_bytes) { return std::max<int64_t>(16, (int64_t{1} << 18) / row_bytes); }
+
 struct alignas(64) QBlock {  // 128 inputs of one row of x
   int8_t lo[64], hi[64];     // inputs 0-15 / 16-31 of chunks 0-3, 16 bytes per chunk
   float step[16];            // lane i: dx of chunk i / 4
@@ -418,7 +422,7 @@ at::Tensor int4_fused(const QuantWeight& w, const at::Tensor& x) {
   for (int64_t r = 0; r < m; ++r) quantize_x(xp + r * w.k, w.k, w.group, blocks, xq + r * blocks, xsum + r * gpad, gpad);
   at::Tensor y = at::empty({m, w.n}, x.options());
   T* yp = y.data_ptr<T>();
-  at::parallel_for(0, w.n, 16, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, w.n, rows_per_task(w.row_bytes(4)), [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < m; m0 += kFusedRows) {
       const QBlock* xm = xq + m0 * blocks;
       const float* sm = xsum + m0 * gpad;
@@ -539,7 +543,7 @@ at::Tensor int8_fused(const QuantWeight& w, const at::Tensor& x) {
   }
   at::Tensor y = at::empty({m, w.n}, x.options());
   T* yp = y.data_ptr<T>();
-  at::parallel_for(0, w.n, 16, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, w.n, rows_per_task(w.row_bytes(8)), [&](int64_t n0, int64_t n1) {
     const int64_t n4 = n0 + (n1 - n0) / 4 * 4;
     for (int64_t m0 = 0; m0 < m; m0 += kFusedRows) {
       const Int8X* xm = xq.data() + m0;
