@@ -27,6 +27,16 @@ def _decode_meta(lens: list[int], block_size: int, num_blocks: int) -> Attention
                              decode_seq_lens=torch.tensor(lens), block_size=block_size)
 
 
+def _assert_same_decode(fast, ref, cache, meta, seqs, heads, kv_heads, dim, dtype, tol):
+    """One decode step of random q/k/v through both backends, each on its own copy of the cache."""
+    q = torch.randn(seqs, heads, dim).to(dtype)
+    k = torch.randn(seqs, kv_heads, dim).to(dtype)
+    v = torch.randn(seqs, kv_heads, dim).to(dtype)
+    out_fast = fast.forward(q, k, v, cache.clone(), meta, dim**-0.5)
+    out_ref = ref.forward(q, k, v, cache.clone(), meta, dim**-0.5)
+    torch.testing.assert_close(out_fast.float(), out_ref.float(), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads, kv_heads", [(8, 2), (4, 4), (6, 1)])
 @pytest.mark.parametrize("dim", [32, 48, 64])  # bf16 with dim % 32 == 0 takes the vectorised path
@@ -38,12 +48,7 @@ def test_kernel_matches_reference(dtype, tol, heads, kv_heads, dim):
     meta = _decode_meta(lens, bs, num_blocks=64)
     fast, ref = TorchAttentionBackend(), TorchAttentionBackend(use_kernels=False)
     cache = torch.randn(2, 64, bs, kv_heads, dim).to(dtype)
-    q = torch.randn(len(lens), heads, dim).to(dtype)
-    k = torch.randn(len(lens), kv_heads, dim).to(dtype)
-    v = torch.randn(len(lens), kv_heads, dim).to(dtype)
-    out_fast = fast.forward(q, k, v, cache.clone(), meta, dim**-0.5)
-    out_ref = ref.forward(q, k, v, cache.clone(), meta, dim**-0.5)
-    torch.testing.assert_close(out_fast.float(), out_ref.float(), atol=tol, rtol=tol)
+    _assert_same_decode(fast, ref, cache, meta, len(lens), heads, kv_heads, dim, dtype, tol)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
@@ -66,12 +71,7 @@ def test_kernel_matches_reference_cache_kinds(kv_cache_dtype, dtype, tol, heads,
     for i in range(2):
         x = (torch.randn(num_blocks * bs, kv_heads, dim) * 2).to(dtype)
         flat[i] = x if fast.kv_format is None else fast.kv_format.quantize(x)
-    q = torch.randn(len(lens), heads, dim).to(dtype)
-    k = torch.randn(len(lens), kv_heads, dim).to(dtype)
-    v = torch.randn(len(lens), kv_heads, dim).to(dtype)
-    out_fast = fast.forward(q, k, v, cache.clone(), meta, dim**-0.5)
-    out_ref = ref.forward(q, k, v, cache.clone(), meta, dim**-0.5)
-    torch.testing.assert_close(out_fast.float(), out_ref.float(), atol=tol, rtol=tol)
+    _assert_same_decode(fast, ref, cache, meta, len(lens), heads, kv_heads, dim, dtype, tol)
 
 
 def test_kernel_fp8_decodes_every_value():

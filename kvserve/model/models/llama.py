@@ -14,8 +14,8 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.model.attention.backend import AttentionBackend, AttentionMetadata
-from kvserve.model.layers.linear import Linear, VocabEmbedding, load_checkpoint
 from kvserve.model.layers.elementwise import silu_mul
+from kvserve.model.layers.linear import Linear, VocabEmbedding, load_checkpoint
 from kvserve.model.layers.norm import RMSNorm
 from kvserve.model.layers.rotary import RotaryEmbedding
 
