@@ -35,7 +35,7 @@ quant = None if sys.argv[2] == "default" else sys.argv[2]
 model, cfg = load_model(path, getattr(torch, sys.argv[1]), torch.device("cpu"), quant); lap("build model, fill weights")
 from kvserve.frontend.tokenizer import load_tokenizer
 load_tokenizer(path); lap("tokenizer (cached conversion)")
-from kvserve.model.attention.cpu_kernels import load_cpu_kernels
+from kvserve.model.cpu_kernels import load_kernels as load_cpu_kernels
 load_cpu_kernels(); lap("C++ kernel (cached build)")
 print(json.dumps(stages))
 '''

@@ -12,6 +12,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.model.attention.backend import AttentionBackend, AttentionMetadata
+from kvserve.model.models.llama_decode import build_fused_decoder
 from kvserve.sample.sampler import Sampler, SamplingBatch, scored_logprobs
 from kvserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from kvserve.spec_decode.verify import verify
@@ -40,6 +41,8 @@ class ModelRunner:
             for _ in range(config.num_layers)
         ]
         self.sampler = Sampler(seed)
+        # Pure decode steps in one C++ call where the model and backend allow (bitwise the same result).
+        self.fused_decoder = build_fused_decoder(model, self.kv_caches, backend.fused_cache_kind(device))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -48,7 +51,7 @@ class ModelRunner:
         if out.block_copies:
             self._copy_blocks(out.block_copies)
         input_ids, positions, meta = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        hidden = self._forward(input_ids, positions, meta)
         result = RunnerOutput(prompt_logprobs=self._prompt_logprobs(batch, hidden, meta))
         rows = [i for i, s in enumerate(batch) if s.sample and not s.spec_token_ids]
         spec_rows = [i for i, s in enumerate(batch) if s.spec_token_ids]
@@ -71,9 +74,14 @@ class ModelRunner:
     def last_logits(self, batch: list[ScheduledRequest]) -> torch.Tensor:
         """Forward a batch and return the logits at each sequence's last position [B, V] (draft models)."""
         input_ids, positions, meta = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        hidden = self._forward(input_ids, positions, meta)
         last = torch.tensor([meta.query_start[i + 1] - 1 for i in range(len(batch))], device=self.device)
         return self.model.compute_logits(hidden[last])
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.fused_decoder is not None and not meta.prefill_seqs:
+            return self.fused_decoder(input_ids, positions, meta)
+        return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
 
     def _verify(self, batch: list[ScheduledRequest], rows: list[int], hidden: torch.Tensor,
                 meta: AttentionMetadata) -> dict[str, list[int]]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvserve.model.attention.backend import AttentionMetadata
-from kvserve.model.attention.cpu_kernels import load_cpu_kernels
+from kvserve.model.cpu_kernels import load_kernels as load_cpu_kernels
 from kvserve.model.attention.torch_sdpa import TorchAttentionBackend
 
 

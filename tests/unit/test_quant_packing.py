@@ -280,7 +280,7 @@ def test_kv_quant_round_trip(name, rel):
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_kernel_reads_quantized_cache(kv_dtype, dtype):
-    from kvserve.model.attention.cpu_kernels import load_cpu_kernels
+    from kvserve.model.cpu_kernels import load_kernels as load_cpu_kernels
     from kvserve.model.attention.torch_sdpa import TorchAttentionBackend
     from tests.unit.test_attention_backend import _decode_meta
 

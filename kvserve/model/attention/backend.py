@@ -49,6 +49,9 @@ class AttentionBackend(Protocol):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor: ...
 
+    def fused_cache_kind(self, device: torch.device) -> int | None:
+        """The paged-cache kind a fused C++ decode step may read and write directly, or None."""
+
 
 _BACKENDS: dict[str, Callable[..., AttentionBackend]] = {}
 

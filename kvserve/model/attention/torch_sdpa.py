@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model.attention.backend import AttentionMetadata, register_backend
-from kvserve.model.attention.cpu_kernels import load_cpu_kernels
 from kvserve.model.attention.kv_quant import kv_quant_format
+from kvserve.model.cpu_kernels import load_kernels
 
 _KERNEL_KINDS = {None: 0, "int8": 1, "fp8": 2}  # cache kinds of paged_decode.cpp
 
@@ -27,7 +27,7 @@ class TorchAttentionBackend:
     name = "torch"
 
     def __init__(self, use_kernels: bool = True, kv_cache_dtype: str = "auto") -> None:
-        self.kernels = load_cpu_kernels() if use_kernels else None
+        self.kernels = load_kernels() if use_kernels else None
         self.kv_format = kv_quant_format(kv_cache_dtype)
 
     def allocate_kv_cache(
@@ -38,6 +38,13 @@ class TorchAttentionBackend:
         # Zeroed, not empty: padded block-table entries and unwritten slots are read under a mask,
         # and a masked 0 weight times a garbage NaN would still poison the output.
         return torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+
+    def fused_cache_kind(self, device: torch.device) -> int | None:
+        """The cache kind a fused C++ decode step (models/llama_decode.py) passes to the paged kernel
+        for this backend's caches, or None if the kernel does not serve ``device``."""
+        if self.kernels is None or device.type != "cpu":
+            return None
+        return _KERNEL_KINDS[None if self.kv_format is None else self.kv_format.name]
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float

@@ -8,21 +8,19 @@ for rotary), so the model code does not care which one runs.
 from __future__ import annotations
 
 from functools import cache
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-_CSRC = Path(__file__).parent / "csrc" / "elementwise.cpp"
+from kvserve.model.cpu_kernels import load_kernels
+
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @cache  # called several times per layer and step: a no-argument cache hit is the cheapest lookup
 def load_elementwise_kernels():
-    """The compiled kernels, or None where they cannot be built (see cpu_kernels.build_extension)."""
-    from kvserve.model.attention.cpu_kernels import build_extension
-
-    return build_extension("kvserve_elementwise", _CSRC)
+    """The compiled kernels, or None where they cannot be built (see cpu_kernels.load_kernels)."""
+    return load_kernels()
 
 
 def _kernels_for(x: torch.Tensor):

@@ -14,15 +14,14 @@ the weight is dequantized per call and multiplied with torch (correct, not fast)
 from __future__ import annotations
 
 from functools import cache
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from kvserve.model.cpu_kernels import load_kernels
 from kvserve.model.quant import gguf_blocks, packing
 from kvserve.model.quant.registry import CheckpointTensor, QuantMethod, register_quant_method
 
-_CSRC = Path(__file__).parent / "csrc" / "quant_linear.cpp"
 # Three CPU paths by rows of x (crossovers measured per layer on AVX512 + AMX, one thread):
 # up to _MAX_FUSED_ROWS the fused dequantize+dot kernel (reads each weight once); then, for bf16,
 # AMX tiles of W dequantized in registers (no per-call weight reorder, 1.3-1.9x at::mm on the dense
@@ -38,9 +37,7 @@ _LOAD_CHUNK_VALUES = 1 << 18
 @cache  # called for every linear of every step: a no-argument cache hit is the cheapest lookup
 def load_quant_kernels():
     """The compiled int8/int4 kernels, or None where they cannot be built."""
-    from kvserve.model.attention.cpu_kernels import build_extension
-
-    return build_extension("kvserve_quant", _CSRC)
+    return load_kernels()
 
 
 def _dest_rows(layer, rows: tuple[int, int] | None) -> tuple[int, int]:
@@ -80,6 +77,14 @@ class Dense(QuantMethod):
                 y = kernels.dense_linear(flat.contiguous(), w, _MAX_DENSE_FUSED_ROWS, _MAX_AMX_ROWS)
                 return y if x.dim() == 2 else y.reshape(*x.shape[:-1], layer.out_features)
         return F.linear(x, w)
+
+    def kernel_spec(self, layer, kernels):
+        w = layer._parameters["weight"]
+        bias = layer.bias
+        if w.dtype == torch.bfloat16 and layer.in_features % 32 == 0:
+            return kernels.LinearSpec(0, w, bias=bias, max_fused_rows=_MAX_DENSE_FUSED_ROWS,
+                                      max_amx_rows=_MAX_AMX_ROWS, max_kernel_rows=_MAX_DENSE_KERNEL_ROWS)
+        return kernels.LinearSpec(2, w, bias=bias)
 
     def embed(self, layer, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, layer.weight)
@@ -199,6 +204,11 @@ class GroupQuant(QuantMethod):
             y = kernels.quant_linear(flat.contiguous(), *args, _MAX_FUSED_ROWS.get(x.dtype, 8), _MAX_AMX_ROWS,
                                      _TILE_BYTES)
         return y.reshape(*x.shape[:-1], layer.out_features)
+
+    def kernel_spec(self, layer, kernels):
+        return kernels.LinearSpec(1, layer.qweight, layer.scales, layer.zeros, layer.factors, layer.bias,
+                                  self.layer_group(layer), self.bits, _MAX_FUSED_ROWS.get(layer.dtype, 8),
+                                  _MAX_AMX_ROWS, 0, _TILE_BYTES)
 
     def dense(self, layer, dtype: torch.dtype) -> torch.Tensor:
         return packing.dequantize(layer.qweight, layer.scales, layer.zeros, self.bits, dtype, layer.factors)

@@ -49,6 +49,11 @@ class QuantMethod(ABC):
         """Called once every checkpoint tensor is in (a method may quantize only now, e.g. to use
         other weights of the model); the default has nothing left to do."""
 
+    def kernel_spec(self, layer: Linear, kernels):
+        """How the C++ fused decoder applies this layer: a ``kernels.LinearSpec`` making the same
+        calls as ``apply`` on the CPU, or None if it cannot (the eager model then runs every step)."""
+        return None
+
     def describe(self) -> str:
         return self.name
 

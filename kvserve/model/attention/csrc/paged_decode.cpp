@@ -10,7 +10,9 @@
 // With AVX-512 and head_dim % 16 == 0 (every cache kind) the kernel makes one pass over the keys and
 // values, 16 tokens at a time, with an online softmax (running max and sum per query head); otherwise
 // a scalar two-pass fallback.
-#include <torch/extension.h>
+#include "kernels.h"
+
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 
@@ -428,9 +430,4 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   else if (q.scalar_type() == at::kHalf) run_kind<c10::Half>(q, k_cache, v_cache, tables, lens, scale, kind, out);
   else TORCH_CHECK(false, "unsupported dtype");
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)",
-        py::call_guard<py::gil_scoped_release>());  // like torch's ops: other threads run meanwhile
 }

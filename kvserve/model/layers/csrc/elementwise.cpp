@@ -7,7 +7,9 @@
 // points as the reference (Hugging Face) implementation, so bf16 outputs match it.
 // With AVX-512 the rows go 16 values at a time (a scalar loop handles the tail, and everything on
 // other CPUs): GCC did not vectorise the plain loops (prefill spent 1 ns per value in them).
-#include <torch/extension.h>
+#include "kernels.h"
+
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -300,10 +302,4 @@ at::Tensor silu_mul(const at::Tensor& x) {
   at::Tensor out;
   KVSERVE_DISPATCH(x.scalar_type(), T, out = silu_mul_typed<T>(x));
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding into the residual in place (CPU)");
-  m.def("rotary_", &rotary_, "rotate-half rotary embedding of q and k in place (CPU)");
-  m.def("silu_mul", &silu_mul, "SiLU(gate) * up (CPU)");
 }

@@ -16,7 +16,9 @@
 // More rows, bf16 x, AMX present: 16 x 32 tiles of W dequantized in registers straight into AMX A
 // tiles (below). Many rows (prefill) or other dtypes: dequantize a tile of W into x's dtype and hand
 // it to at::mm (oneDNN), so the dequantization is amortised over every row of x.
-#include <torch/extension.h>
+#include "kernels.h"
+
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -961,16 +963,10 @@ at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // The matmuls run without the GIL, as torch's own ops do: the server's event loop thread streams
-  // tokens meanwhile instead of stalling the engine thread (up to the 5 ms switch interval) for it.
-  const auto no_gil = py::call_guard<py::gil_scoped_release>();
-  m.def("quant_linear", &quant_linear, "weight-only int8/int4 linear (CPU)", no_gil);
-  m.def("dequantize", &dequantize, "dequantize an int8/int4 weight (CPU)", no_gil);
-  m.def("dense_linear", &dense_linear, "x W^T for a dense bf16 weight and a few rows of x (CPU)", no_gil);
+bool has_amx() {
 #if defined(KVSERVE_AMX)
-  m.def("has_amx", [] { return amx_ready(); }, "AMX tiles usable in this process");
+  return amx_ready();
 #else
-  m.def("has_amx", [] { return false; }, "AMX tiles usable in this process");
+  return false;
 #endif
 }

@@ -1,0 +1,70 @@
+// kvserve's C++ CPU kernels: what each source file provides to the others and to Python (module.cpp
+// binds them). All of them are built as one extension (kvserve/model/cpu_kernels.py), so the fused
+// decoder (models/csrc/llama_decode.cpp) calls the same kernels as the eager model, without Python.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+// layers/csrc/elementwise.cpp
+at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
+                    double eps);
+void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor silu_mul(const at::Tensor& x);
+
+// quant/csrc/quant_linear.cpp
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& zeros, const c10::optional<at::Tensor>& factors,
+                        int64_t group, int64_t bits, int64_t max_fused_rows, int64_t max_amx_rows,
+                        int64_t tile_bytes);
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, int64_t max_fused_rows, int64_t max_amx_rows);
+at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
+                      const c10::optional<at::Tensor>& factors, int64_t group, int64_t bits, at::ScalarType dtype);
+bool has_amx();
+
+// attention/csrc/paged_decode.cpp
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                  int64_t kind);
+
+// models/csrc/llama_decode.cpp: a whole decode step of the Llama-family decoder in one call.
+
+// One Linear as the eager model applies it (quant/methods.py), y = x W^T (+ bias).
+struct LinearSpec {
+  enum Kind : int64_t { kDense = 0, kQuant = 1, kTorch = 2 };
+  int64_t kind = kTorch;
+  at::Tensor weight;  // kDense / kTorch: the float weight [N, K]; kQuant: qweight
+  c10::optional<at::Tensor> scales, zeros, factors, bias;
+  int64_t group = 0, bits = 0;
+  int64_t max_fused_rows = 0, max_amx_rows = 0;  // the kernels' dispatch thresholds (methods.py)
+  int64_t max_kernel_rows = 0;                   // kDense: beyond this many rows, at::linear
+  int64_t tile_bytes = 0;                        // kQuant: the prefill tile size
+  at::Tensor apply(const at::Tensor& x) const;
+};
+
+struct LayerSpec {
+  LinearSpec qkv, o, gate_up, down;
+  at::Tensor input_norm, post_norm;
+  c10::optional<at::Tensor> q_norm, k_norm;  // Qwen3's per-head norms
+};
+
+// The decoder stack for steps in which every sequence brings exactly one new token; see llama_decode.cpp.
+class LlamaDecoder {
+ public:
+  LlamaDecoder(std::vector<LayerSpec> layers, at::Tensor final_norm, at::Tensor cos, at::Tensor sin,
+               std::vector<at::Tensor> kv_caches, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+               double eps, double scale, int64_t kv_kind);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens) const;
+
+ private:
+  void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& cache, const at::Tensor& slots) const;
+
+  std::vector<LayerSpec> layers_;
+  at::Tensor final_norm_, cos_, sin_;
+  std::vector<at::Tensor> kv_caches_;
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_, scale_;
+  int64_t kv_kind_;  // paged_decode_attention's cache kind: 0 the model dtype, 1 int8, 2 fp8
+};

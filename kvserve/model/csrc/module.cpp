@@ -1,0 +1,47 @@
+// The Python module of kvserve's C++ CPU kernels (declared in kernels.h, built by cpu_kernels.py).
+#include <torch/extension.h>
+
+#include "kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The kernels run without the GIL, as torch's own ops do: the server's event loop thread streams
+  // tokens meanwhile instead of stalling the engine thread (up to the 5 ms switch interval) for it.
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
+  m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding into the residual in place (CPU)");
+  m.def("rotary_", &rotary_, "rotate-half rotary embedding of q and k in place (CPU)");
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up (CPU)");
+  m.def("quant_linear", &quant_linear, "weight-only int8/int4 linear (CPU)", no_gil);
+  m.def("dequantize", &dequantize, "dequantize an int8/int4 weight (CPU)", no_gil);
+  m.def("dense_linear", &dense_linear, "x W^T for a dense bf16 weight and a few rows of x (CPU)", no_gil);
+  m.def("has_amx", &has_amx, "AMX tiles usable in this process");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", no_gil);
+
+  py::class_<LinearSpec>(m, "LinearSpec")
+      .def(py::init([](int64_t kind, at::Tensor weight, c10::optional<at::Tensor> scales,
+                       c10::optional<at::Tensor> zeros, c10::optional<at::Tensor> factors,
+                       c10::optional<at::Tensor> bias, int64_t group, int64_t bits, int64_t max_fused_rows,
+                       int64_t max_amx_rows, int64_t max_kernel_rows, int64_t tile_bytes) {
+             TORCH_CHECK(kind >= LinearSpec::kDense && kind <= LinearSpec::kTorch, "unknown linear kind ", kind);
+             TORCH_CHECK(kind != LinearSpec::kQuant || scales.has_value(), "a quantized weight needs its scales");
+             return LinearSpec{kind, std::move(weight), std::move(scales), std::move(zeros), std::move(factors),
+                               std::move(bias), group, bits, max_fused_rows, max_amx_rows, max_kernel_rows,
+                               tile_bytes};
+           }),
+           py::arg("kind"), py::arg("weight"), py::arg("scales") = py::none(), py::arg("zeros") = py::none(),
+           py::arg("factors") = py::none(), py::arg("bias") = py::none(), py::arg("group") = 0,
+           py::arg("bits") = 0, py::arg("max_fused_rows") = 0, py::arg("max_amx_rows") = 0,
+           py::arg("max_kernel_rows") = 0, py::arg("tile_bytes") = 0)
+      .def("__call__", &LinearSpec::apply, no_gil);
+  py::class_<LayerSpec>(m, "LayerSpec")
+      .def(py::init([](LinearSpec qkv, LinearSpec o, LinearSpec gate_up, LinearSpec down, at::Tensor input_norm,
+                       at::Tensor post_norm, c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm) {
+        TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
+        return LayerSpec{std::move(qkv), std::move(o), std::move(gate_up), std::move(down), std::move(input_norm),
+                         std::move(post_norm), std::move(q_norm), std::move(k_norm)};
+      }));
+  py::class_<LlamaDecoder>(m, "LlamaDecoder")
+      .def(py::init<std::vector<LayerSpec>, at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>, int64_t,
+                    int64_t, int64_t, double, double, int64_t>())
+      .def("forward", &LlamaDecoder::forward, "hidden states after the final norm, for one decode token per sequence",
+           no_gil);
+}

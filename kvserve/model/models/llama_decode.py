@@ -1,0 +1,62 @@
+"""The decode step of ``LlamaForCausalLM`` as one C++ call on the CPU (csrc/llama_decode.cpp).
+
+In a step where every sequence brings one new token, the eager forward spends more time in Python
+than in arithmetic at small batches: ~30 dispatched calls per layer, and OpenMP threads that fall
+asleep between kernels. The fused decoder runs the same kernels in the same order from C++, so its
+hidden states are bitwise those of the eager model. It needs the C++ kernels, the torch backend's
+paged cache layout (the backend says which kind, see ``TorchAttentionBackend.fused_cache_kind``),
+and a kernel spec from every Linear's quantization method; otherwise there is none and the eager
+model runs every step. KVSERVE_FUSED_DECODE=0 turns it off (for comparisons).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvserve.model.attention.backend import AttentionMetadata
+from kvserve.model.cpu_kernels import load_kernels
+from kvserve.model.models.llama import LlamaForCausalLM
+
+
+class FusedDecoder:
+    """Hidden states after the final norm for a pure decode step: ``decoder(input_ids, positions, meta)``."""
+
+    def __init__(self, model: LlamaForCausalLM, native) -> None:
+        self.embed_tokens = model.model.embed_tokens
+        self.native = native
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        return self.native.forward(x, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens)
+
+
+def build_fused_decoder(model: torch.nn.Module, kv_caches: list[torch.Tensor],
+                        cache_kind: int | None) -> FusedDecoder | None:
+    """The fused decoder for ``model`` over these caches, or None where it cannot run (see the module doc)."""
+    kernels = load_kernels()
+    if (kernels is None or cache_kind is None or os.environ.get("KVSERVE_FUSED_DECODE") == "0"
+            or type(model) is not LlamaForCausalLM):
+        return None
+    backbone, cfg = model.model, model.config
+    if any(t.device.type != "cpu" for t in kv_caches) or backbone.norm.weight.device.type != "cpu":
+        return None
+    layers = []
+    for layer in backbone.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        specs = [lin.method.kernel_spec(lin, kernels) for lin in linears]
+        if any(s is None for s in specs):
+            return None
+        norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm]
+        if any(n is not None and n.eps != cfg.rms_norm_eps for n in norms):
+            return None
+        q_norm, k_norm = (None, None) if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
+        layers.append(kernels.LayerSpec(*specs, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                                        q_norm, k_norm))
+    first = backbone.layers[0].self_attn
+    native = kernels.LlamaDecoder(layers, backbone.norm.weight, model.rotary.cos, model.rotary.sin, kv_caches,
+                                  first.num_heads, first.num_kv_heads, first.head_dim, cfg.rms_norm_eps, first.scale,
+                                  cache_kind)
+    return FusedDecoder(model, native)
