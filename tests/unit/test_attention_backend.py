@@ -44,11 +44,13 @@ def test_kernel_matches_reference(dtype, tol, heads, kv_heads, dim):
     if load_cpu_kernels() is None:
         pytest.skip("C++ kernels could not be built on this machine")
     torch.manual_seed(0)
-    lens, bs = [1, 5, 16, 17, 90, 33], 8
-    meta = _decode_meta(lens, bs, num_blocks=64)
+    bs = 8
     fast, ref = TorchAttentionBackend(), TorchAttentionBackend(use_kernels=False)
     cache = torch.randn(2, 64, bs, kv_heads, dim).to(dtype)
-    _assert_same_decode(fast, ref, cache, meta, len(lens), heads, kv_heads, dim, dtype, tol)
+    # Six sequences: a task per sequence (all its kv heads); two: a task per (sequence, kv head).
+    for lens in ([1, 5, 16, 17, 90, 33], [90, 33]):
+        meta = _decode_meta(lens, bs, num_blocks=64)
+        _assert_same_decode(fast, ref, cache, meta, len(lens), heads, kv_heads, dim, dtype, tol)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])

@@ -135,6 +135,7 @@ void decode_one(const T* q, const Rows& k_rows, const Rows& v_rows, const int64_
 
 #if defined(__AVX512F__)
 constexpr int kChunk = 16;  // tokens handled together: one zmm holds their scores
+constexpr int kAhead = 3;   // chunks between a prefetch (into L2) and the use of its rows
 
 // 2^x for x <= 0, ~2e-7 relative error: 2^x = 2^n * 2^f, n = round(x), |f| <= 1/2, 2^f by its
 // degree-6 Taylor polynomial. x is clamped at -200 first, so -inf gives 0 rather than NaN.
@@ -192,24 +193,31 @@ inline __m512 load16(const Elem* p) {
   }
 }
 
-// Per-thread scratch, sized once per call.
+// Per-thread scratch, sized once per call for up to `heads` query heads.
 struct Scratch {
-  std::vector<float> q, kf, vf, acc, l;  // [group, D] query, [16, D] keys and values as float32,
-                                         // [group, D] weighted sums of values, [group, 16] sums of weights
-  std::vector<int64_t> rows;             // [seq_len] element offsets of the rows
-  Scratch(int64_t group, int64_t head_dim)
-      : q(group * head_dim), kf(kChunk * head_dim), vf(kChunk * head_dim), acc(group * head_dim), l(group * kChunk) {}
+  std::vector<float> q, kf, vf, acc, l;  // [heads, D] query, [kv heads, 16, D] keys and values as float32,
+                                         // [heads, D] weighted sums of values, [heads, 16] sums of weights
+  std::vector<float> pv, alpha, m;       // this chunk's [heads, 16] value weights, [heads] rescale
+                                         // factors, [heads] running maxima
+  std::vector<int64_t> rows;             // [seq_len] element offsets of the first head's rows
+  Scratch(int64_t heads, int64_t kv_heads, int64_t head_dim)
+      : q(heads * head_dim), kf(kv_heads * kChunk * head_dim), vf(kv_heads * kChunk * head_dim),
+        acc(heads * head_dim), l(heads * kChunk), pv(heads * kChunk), alpha(heads), m(heads) {}
 };
 
-// One (sequence, kv head): out[g] = softmax(q[g] . K^T * scale) V for the group's query heads g.
+// One sequence, kv heads h0 .. h0 + nh - 1: out[i] = softmax(q[i] . K^T * scale) V for their query
+// heads i (group per kv head), chunk by chunk, every head of a chunk before the next chunk: a
+// token's rows of all these heads are adjacent in the cache, so the reads stream through memory
+// (one head at a time read 128 of every 384 bytes and left the prefetchers behind).
 // Elem: the cache element type; T: the query/output type. Rows are addressed by index
 // (slot * num_kv_heads + head) * stride, stride = D (dense) or D + 2 (quantized: values, fp16 scale).
 template <Kind K, int kD, typename Elem, typename T>
 void decode_vec(const T* q, const Elem* k_base, const Elem* v_base, int64_t num_kv_heads, const int64_t* table,
-                int64_t seq_len, int64_t block_size, int64_t head, int64_t group, int64_t head_dim, float scale,
-                T* out, Scratch& s) {
+                int64_t seq_len, int64_t block_size, int64_t h0, int64_t nh, int64_t group, int64_t head_dim,
+                float scale, T* out, Scratch& s) {
   constexpr bool quantized = K != Kind::kDense;
   const int64_t D = kD ? kD : head_dim, stride = quantized ? D + 2 : D;  // kD: head_dim known at compile time
+  const int64_t heads = nh * group;
 #if defined(__AVX512BF16__)
   // bf16 cache and query: q.k straight from the cache with vdpbf16ps (exact bf16 products, float32 sums).
   constexpr bool bf16_types = std::is_same_v<Elem, c10::BFloat16> && std::is_same_v<T, c10::BFloat16>;
@@ -221,126 +229,146 @@ void decode_vec(const T* q, const Elem* k_base, const Elem* v_base, int64_t num_
   // Scores are kept in base 2 (scaled by log2 e) so the softmax needs only 2^x.
   const float qscale = scale * 1.4426950408889634f * (K == Kind::kFp8 ? 256.f : 1.f);
   if (!bf16_dot)
-    for (int64_t i = 0; i < group * D; ++i) s.q[i] = to_float(q[i]) * qscale;
-  std::fill(s.acc.begin(), s.acc.end(), 0.f);
-  std::fill(s.l.begin(), s.l.end(), 0.f);
-  float m[64];  // per query head: running max (group <= 64, checked by the caller)
-  std::fill(m, m + group, -std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < heads * D; ++i) s.q[i] = to_float(q[i]) * qscale;
+  std::fill(s.acc.begin(), s.acc.begin() + heads * D, 0.f);
+  std::fill(s.l.begin(), s.l.begin() + heads * kChunk, 0.f);
+  std::fill(s.m.begin(), s.m.begin() + heads, -std::numeric_limits<float>::infinity());
 
-  // Element offset of every token's row, walking the block table (no division per token).
+  // Element offset of every token's row of head h0, walking the block table (no division per token).
   if (static_cast<int64_t>(s.rows.size()) < seq_len) s.rows.resize(seq_len);
   for (int64_t t = 0, blk = 0, off = 0; t < seq_len; ++t) {
-    s.rows[t] = ((table[blk] * block_size + off) * num_kv_heads + head) * stride;
+    s.rows[t] = ((table[blk] * block_size + off) * num_kv_heads + h0) * stride;
     if (++off == block_size) { off = 0; ++blk; }
   }
-  const int64_t row_bytes = stride * static_cast<int64_t>(sizeof(Elem));
+  const int64_t span_bytes = nh * stride * static_cast<int64_t>(sizeof(Elem));  // a token's rows of these heads
 
   for (int64_t start = 0; start < seq_len; start += kChunk) {
     const int n = static_cast<int>(std::min<int64_t>(kChunk, seq_len - start));
     const int64_t* rows = &s.rows[start];
-    // The rows are scattered over the pool: fetch the next chunk's while this one is computed.
-    for (int64_t t = start + kChunk; t < std::min(seq_len, start + 2 * kChunk); ++t) {
+    // The blocks are scattered over the pool: fetch the rows kAhead chunks on into L2 meanwhile.
+    for (int64_t t = start + kAhead * kChunk; t < std::min(seq_len, start + (kAhead + 1) * kChunk); ++t) {
       const char *kr = reinterpret_cast<const char*>(k_base + s.rows[t]), *vr = reinterpret_cast<const char*>(v_base + s.rows[t]);
-      for (int64_t b = 0; b < row_bytes; b += 64) {
-        _mm_prefetch(kr + b, _MM_HINT_T0);
-        _mm_prefetch(vr + b, _MM_HINT_T0);
+      for (int64_t b = 0; b < span_bytes; b += 64) {
+        _mm_prefetch(kr + b, _MM_HINT_T1);
+        _mm_prefetch(vr + b, _MM_HINT_T1);
       }
-      if constexpr (quantized) {  // rows of D + 2 bytes need not start on a line
-        _mm_prefetch(kr + row_bytes - 1, _MM_HINT_T0);
-        _mm_prefetch(vr + row_bytes - 1, _MM_HINT_T0);
-      }
+      _mm_prefetch(kr + span_bytes - 1, _MM_HINT_T1);  // spans need not start on a line
+      _mm_prefetch(vr + span_bytes - 1, _MM_HINT_T1);
     }
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
 
-    __m512 kscale = _mm512_set1_ps(1.f), vscale = _mm512_set1_ps(1.f);
-    // Rows to float32 scratch (keys only where they are not read in place), and (quantized) their scales.
-    for (int t = 0; t < n; ++t) {
-      const Elem *kr = k_base + rows[t], *vr = v_base + rows[t];
-      for (int64_t d = 0; d < D; d += 16) {
-        if (!bf16_dot) _mm512_storeu_ps(&s.kf[t * D + d], load16<K>(kr + d));
-        _mm512_storeu_ps(&s.vf[t * D + d], load16<K>(vr + d));
-      }
-    }
-    if constexpr (quantized) {
-      uint16_t ks[kChunk] = {}, vs[kChunk] = {};
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      const int64_t hoff = hh * stride;  // this head's row within a token's span
+      float* kf = &s.kf[hh * kChunk * D];
+      float* vf = &s.vf[hh * kChunk * D];
+      __m512 kscale = _mm512_set1_ps(1.f), vscale = _mm512_set1_ps(1.f);
+      // Rows to float32 scratch (keys only where they are not read in place), and (quantized) their scales.
       for (int t = 0; t < n; ++t) {
-        std::memcpy(&ks[t], k_base + rows[t] + D, 2);
-        std::memcpy(&vs[t], v_base + rows[t] + D, 2);
-      }
-      kscale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ks)));
-      vscale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vs)));
-      if constexpr (K == Kind::kFp8) vscale = _mm512_mul_ps(vscale, _mm512_set1_ps(256.f));
-    }
-
-    for (int64_t g = 0; g < group; ++g) {
-      // Scores of the n tokens: 16 partial-sum vectors, summed together.
-      __m512 part[kChunk];
-      for (int t = 0; t < kChunk; ++t) {
-        __m512 acc = _mm512_setzero_ps();
-        if (t < n) {
-#if defined(__AVX512BF16__)
-          if (bf16_types && bf16_dot) {
-            const auto* kr = reinterpret_cast<const uint16_t*>(k_base + rows[t]);
-            const auto* qg = reinterpret_cast<const uint16_t*>(q + g * D);
-            for (int64_t d = 0; d < D; d += 32)
-              acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(kr + d), (__m512bh)_mm512_loadu_si512(qg + d));
-          } else
-#endif
-          {
-            for (int64_t d = 0; d < D; d += 16)
-              acc = _mm512_fmadd_ps(_mm512_loadu_ps(&s.kf[t * D + d]), _mm512_loadu_ps(&s.q[g * D + d]), acc);
-          }
-        }
-        part[t] = acc;
-      }
-      __m512 sc = _mm512_mul_ps(sum16(part), kscale);
-      if (bf16_dot) sc = _mm512_mul_ps(sc, _mm512_set1_ps(qscale));
-      sc = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, sc);
-
-      // Online softmax: rescale what has been summed so far when the max grows (checked per lane
-      // first, so most chunks need no horizontal max).
-      float alpha = 1.f;
-      if (_mm512_cmp_ps_mask(sc, _mm512_set1_ps(m[g]), _CMP_GT_OQ)) {
-        const float m_new = std::max(m[g], _mm512_reduce_max_ps(sc));
-        alpha = std::exp2(m[g] - m_new);  // 0 on the first chunk (m = -inf)
-        m[g] = m_new;
-      }
-      const __m512 va = _mm512_set1_ps(alpha);
-      const __m512 p = _mm512_maskz_mov_ps(valid, exp2_ps(_mm512_sub_ps(sc, _mm512_set1_ps(m[g]))));
-      _mm512_storeu_ps(&s.l[g * kChunk], _mm512_fmadd_ps(_mm512_loadu_ps(&s.l[g * kChunk]), va, p));  // per-lane sums
-      alignas(64) float pv[kChunk];  // weights of the value rows (times their scales)
-      _mm512_store_ps(pv, _mm512_mul_ps(p, vscale));
-      float* ag = &s.acc[g * D];
-
-      if constexpr (kD != 0) {
-        // acc[g] = acc[g] * alpha + sum_t pv[t] * v[t], the whole row of sums held in registers.
-        constexpr int kV = kD / 16;
-        __m512 a[kV];
-        for (int c = 0; c < kV; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(ag + 16 * c), va);
-        for (int t = 0; t < n; ++t) {
-          const __m512 w = _mm512_set1_ps(pv[t]);
-          for (int c = 0; c < kV; ++c) a[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(&s.vf[t * kD + 16 * c]), a[c]);
-        }
-        for (int c = 0; c < kV; ++c) _mm512_storeu_ps(ag + 16 * c, a[c]);
-      } else {
-        // The same for any head_dim: 16 dims at a time, four independent chains.
+        const Elem *kr = k_base + rows[t] + hoff, *vr = v_base + rows[t] + hoff;
         for (int64_t d = 0; d < D; d += 16) {
-          __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(ag + d), va), a1 = _mm512_setzero_ps(), a2 = a1, a3 = a1;
-          const float* vd = &s.vf[d];
-          int t = 0;
-          for (; t + 4 <= n; t += 4) {
-            a0 = _mm512_fmadd_ps(_mm512_set1_ps(pv[t]), _mm512_loadu_ps(vd + t * D), a0);
-            a1 = _mm512_fmadd_ps(_mm512_set1_ps(pv[t + 1]), _mm512_loadu_ps(vd + (t + 1) * D), a1);
-            a2 = _mm512_fmadd_ps(_mm512_set1_ps(pv[t + 2]), _mm512_loadu_ps(vd + (t + 2) * D), a2);
-            a3 = _mm512_fmadd_ps(_mm512_set1_ps(pv[t + 3]), _mm512_loadu_ps(vd + (t + 3) * D), a3);
+          if (!bf16_dot) _mm512_storeu_ps(&kf[t * D + d], load16<K>(kr + d));
+          if constexpr (kD == 0) _mm512_storeu_ps(&vf[t * D + d], load16<K>(vr + d));  // kD: read in place below
+        }
+      }
+      if constexpr (quantized) {
+        uint16_t ks[kChunk] = {}, vs[kChunk] = {};
+        for (int t = 0; t < n; ++t) {
+          std::memcpy(&ks[t], k_base + rows[t] + hoff + D, 2);
+          std::memcpy(&vs[t], v_base + rows[t] + hoff + D, 2);
+        }
+        kscale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ks)));
+        vscale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vs)));
+        if constexpr (K == Kind::kFp8) vscale = _mm512_mul_ps(vscale, _mm512_set1_ps(256.f));
+      }
+
+      for (int64_t g = hh * group; g < (hh + 1) * group; ++g) {  // this kv head's query heads
+        // Scores of the n tokens: 16 partial-sum vectors, summed together.
+        __m512 part[kChunk];
+        for (int t = 0; t < kChunk; ++t) {
+          __m512 acc = _mm512_setzero_ps();
+          if (t < n) {
+#if defined(__AVX512BF16__)
+            if (bf16_types && bf16_dot) {
+              const auto* kr = reinterpret_cast<const uint16_t*>(k_base + rows[t] + hoff);
+              const auto* qg = reinterpret_cast<const uint16_t*>(q + g * D);
+              for (int64_t d = 0; d < D; d += 32)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(kr + d), (__m512bh)_mm512_loadu_si512(qg + d));
+            } else
+#endif
+            {
+              for (int64_t d = 0; d < D; d += 16)
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(&kf[t * D + d]), _mm512_loadu_ps(&s.q[g * D + d]), acc);
+            }
           }
-          for (; t < n; ++t) a0 = _mm512_fmadd_ps(_mm512_set1_ps(pv[t]), _mm512_loadu_ps(vd + t * D), a0);
-          _mm512_storeu_ps(ag + d, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+          part[t] = acc;
+        }
+        __m512 sc = _mm512_mul_ps(sum16(part), kscale);
+        if (bf16_dot) sc = _mm512_mul_ps(sc, _mm512_set1_ps(qscale));
+        sc = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, sc);
+
+        // Online softmax: rescale what has been summed so far when the max grows (checked per lane
+        // first, so most chunks need no horizontal max).
+        float alpha = 1.f;
+        float& m = s.m[g];
+        if (_mm512_cmp_ps_mask(sc, _mm512_set1_ps(m), _CMP_GT_OQ)) {
+          const float m_new = std::max(m, _mm512_reduce_max_ps(sc));
+          alpha = std::exp2(m - m_new);  // 0 on the first chunk (m = -inf)
+          m = m_new;
+        }
+        const __m512 va = _mm512_set1_ps(alpha);
+        const __m512 p = _mm512_maskz_mov_ps(valid, exp2_ps(_mm512_sub_ps(sc, _mm512_set1_ps(m))));
+        _mm512_storeu_ps(&s.l[g * kChunk], _mm512_fmadd_ps(_mm512_loadu_ps(&s.l[g * kChunk]), va, p));  // per-lane sums
+        float* pv = &s.pv[g * kChunk];  // weights of the value rows (times their scales)
+        _mm512_storeu_ps(pv, _mm512_mul_ps(p, vscale));
+        s.alpha[g] = alpha;
+
+        if constexpr (kD == 0) {
+          // acc[g] = acc[g] * alpha + sum_t pv[t] * v[t], 16 dims at a time, four independent chains.
+          float* ag = &s.acc[g * D];
+          for (int64_t d = 0; d < D; d += 16) {
+            __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(ag + d), va), a1 = _mm512_setzero_ps(), a2 = a1, a3 = a1;
+            const float* vd = &vf[d];
+            int t = 0;
+            for (; t + 4 <= n; t += 4) {
+              a0 = _mm512_fmadd_ps(_mm512_set1_ps(pv[t]), _mm512_loadu_ps(vd + t * D), a0);
+              a1 = _mm512_fmadd_ps(_mm512_set1_ps(pv[t + 1]), _mm512_loadu_ps(vd + (t + 1) * D), a1);
+              a2 = _mm512_fmadd_ps(_mm512_set1_ps(pv[t + 2]), _mm512_loadu_ps(vd + (t + 2) * D), a2);
+              a3 = _mm512_fmadd_ps(_mm512_set1_ps(pv[t + 3]), _mm512_loadu_ps(vd + (t + 3) * D), a3);
+            }
+            for (; t < n; ++t) a0 = _mm512_fmadd_ps(_mm512_set1_ps(pv[t]), _mm512_loadu_ps(vd + t * D), a0);
+            _mm512_storeu_ps(ag + d, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+          }
+        }
+      }
+      if constexpr (kD != 0) {
+        // acc[g] = acc[g] * alpha[g] + sum_t pv[g][t] * v[t] for kGB query heads at once: each value row
+        // is loaded (and converted) once for all of them, straight from the cache, and the kGB * kV
+        // running sums in registers are independent chains (one head's 4 chains were latency-bound).
+        constexpr int kV = kD / 16, kGB = kV <= 4 ? 4 : 2;
+        for (int64_t g0 = hh * group; g0 < (hh + 1) * group; g0 += kGB) {
+          const int gb = static_cast<int>(std::min<int64_t>(kGB, (hh + 1) * group - g0));
+          __m512 a[kGB][kV];
+          for (int j = 0; j < kGB; ++j)
+            for (int c = 0; c < kV; ++c)
+              a[j][c] = j < gb ? _mm512_mul_ps(_mm512_loadu_ps(&s.acc[(g0 + j) * kD + 16 * c]), _mm512_set1_ps(s.alpha[g0 + j]))
+                               : _mm512_setzero_ps();
+          for (int t = 0; t < n; ++t) {
+            const Elem* vr = v_base + rows[t] + hoff;
+            __m512 v[kV];
+            for (int c = 0; c < kV; ++c) v[c] = load16<K>(vr + 16 * c);
+            for (int j = 0; j < kGB; ++j) {
+              if (j >= gb) break;
+              const __m512 w = _mm512_set1_ps(s.pv[(g0 + j) * kChunk + t]);
+              for (int c = 0; c < kV; ++c) a[j][c] = _mm512_fmadd_ps(w, v[c], a[j][c]);
+            }
+          }
+          for (int j = 0; j < gb; ++j)
+            for (int c = 0; c < kV; ++c) _mm512_storeu_ps(&s.acc[(g0 + j) * kD + 16 * c], a[j][c]);
         }
       }
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
+  for (int64_t g = 0; g < heads; ++g) {
     const float inv = seq_len > 0 ? 1.f / _mm512_reduce_add_ps(_mm512_loadu_ps(&s.l[g * kChunk])) : 0.f;
     for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<T>(s.acc[g * D + d] * inv);
   }
@@ -358,36 +386,41 @@ void run(const at::Tensor& q, const Rows& k_rows, const Rows& v_rows, int64_t bl
   T* op = out.data_ptr<T>();
 #if defined(__AVX512F__)
   constexpr Kind kind = std::is_same_v<Rows, Int8Rows> ? Kind::kInt8 : std::is_same_v<Rows, Fp8Rows> ? Kind::kFp8 : Kind::kDense;
-  const bool vectorised = head_dim % 16 == 0 && group <= 64;
+  const bool vectorised = head_dim % 16 == 0;
   using Elem = std::remove_const_t<std::remove_pointer_t<decltype(k_rows.base)>>;
 #endif
+  // A task is one sequence's kv heads (their rows are adjacent, so they stream); with fewer sequences
+  // than two per thread, one kv head of one sequence, so that the threads still share the work.
+  const int64_t per_task = batch >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t tasks_per_seq = num_kv_heads / per_task, tasks = batch * tasks_per_seq;
   // A second thread costs a wake-up (tens of microseconds) that a short batch never earns back:
   // split only when there are at least ~64K cached values per thread to read.
   int64_t total = 0;
   for (int64_t b = 0; b < batch; ++b) total += sl[b];
-  const int64_t pairs = batch * num_kv_heads, work = total * num_kv_heads * head_dim;
-  const int64_t grain = work < (int64_t{1} << 17) ? pairs : 1;
-  at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
+  const int64_t grain = total * num_kv_heads * head_dim < (int64_t{1} << 17) ? tasks : 1;
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
 #if defined(__AVX512F__)
     if (vectorised) {
-      Scratch s(group, head_dim);
+      Scratch s(per_task * group, per_task, head_dim);
+      auto* f = head_dim == 64 ? decode_vec<kind, 64, Elem, T> : head_dim == 128 ? decode_vec<kind, 128, Elem, T>
+                                                                                 : decode_vec<kind, 0, Elem, T>;
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / num_kv_heads, h = i % num_kv_heads;
-        const int64_t offset = (b * num_heads + h * group) * head_dim;
-        auto* f = head_dim == 64 ? decode_vec<kind, 64, Elem, T> : head_dim == 128 ? decode_vec<kind, 128, Elem, T>
-                                                                                   : decode_vec<kind, 0, Elem, T>;
-        f(qp + offset, k_rows.base, v_rows.base, num_kv_heads, bt + b * width, sl[b], block_size, h, group, head_dim,
-          static_cast<float>(scale), op + offset, s);
+        const int64_t b = i / tasks_per_seq, h0 = i % tasks_per_seq * per_task;
+        const int64_t offset = (b * num_heads + h0 * group) * head_dim;
+        f(qp + offset, k_rows.base, v_rows.base, num_kv_heads, bt + b * width, sl[b], block_size, h0, per_task, group,
+          head_dim, static_cast<float>(scale), op + offset, s);
       }
       return;
     }
 #endif
     std::vector<float> scores, qf, acc, row;
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / num_kv_heads, h = i % num_kv_heads;
-      const int64_t offset = (b * num_heads + h * group) * head_dim;
-      decode_one<T, Rows>(qp + offset, k_rows, v_rows, bt + b * width, sl[b], block_size, h, group, head_dim,
-                          static_cast<float>(scale), op + offset, scores, qf, acc, row);
+      const int64_t b = i / tasks_per_seq;
+      for (int64_t h = i % tasks_per_seq * per_task; h < (i % tasks_per_seq + 1) * per_task; ++h) {
+        const int64_t offset = (b * num_heads + h * group) * head_dim;
+        decode_one<T, Rows>(qp + offset, k_rows, v_rows, bt + b * width, sl[b], block_size, h, group, head_dim,
+                            static_cast<float>(scale), op + offset, scores, qf, acc, row);
+      }
     }
   });
 }
