@@ -398,7 +398,7 @@ void run(const at::Tensor& q, const Rows& k_rows, const Rows& v_rows, int64_t bl
   int64_t total = 0;
   for (int64_t b = 0; b < batch; ++b) total += sl[b];
   const int64_t grain = total * num_kv_heads * head_dim < (int64_t{1} << 17) ? tasks : 1;
-  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+  parallel_for_dynamic(0, tasks, grain, [&](int64_t begin, int64_t end) {
 #if defined(__AVX512F__)
     if (vectorised) {
       Scratch s(per_task * group, per_task, head_dim);

@@ -209,7 +209,7 @@ at::Tensor fused(const QuantWeight& w, const at::Tensor& x) {
   const float* xp = x32.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const std::vector<int32_t> group_of = half_chunk_groups(w);
-  at::parallel_for(0, w.n, 16, [&](int64_t n0, int64_t n1) {
+  parallel_for_dynamic(0, w.n, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < m; m0 += kFusedRows)
       fused_block<BITS>(w, group_of.data(), xp + m0 * w.k, w.k, std::min<int64_t>(kFusedRows, m - m0), n0, n1,
                         yp + m0 * w.n, w.n);
@@ -424,7 +424,7 @@ at::Tensor int4_fused(const QuantWeight& w, const at::Tensor& x) {
   for (int64_t r = 0; r < m; ++r) quantize_x(xp + r * w.k, w.k, w.group, blocks, xq + r * blocks, xsum + r * gpad, gpad);
   at::Tensor y = at::empty({m, w.n}, x.options());
   T* yp = y.data_ptr<T>();
-  at::parallel_for(0, w.n, rows_per_task(w.row_bytes(4)), [&](int64_t n0, int64_t n1) {
+  parallel_for_dynamic(0, w.n, rows_per_task(w.row_bytes(4)), [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < m; m0 += kFusedRows) {
       const QBlock* xm = xq + m0 * blocks;
       const float* sm = xsum + m0 * gpad;
@@ -545,7 +545,7 @@ at::Tensor int8_fused(const QuantWeight& w, const at::Tensor& x) {
   }
   at::Tensor y = at::empty({m, w.n}, x.options());
   T* yp = y.data_ptr<T>();
-  at::parallel_for(0, w.n, rows_per_task(w.row_bytes(8)), [&](int64_t n0, int64_t n1) {
+  parallel_for_dynamic(0, w.n, rows_per_task(w.row_bytes(8)), [&](int64_t n0, int64_t n1) {
     const int64_t n4 = n0 + (n1 - n0) / 4 * 4;
     for (int64_t m0 = 0; m0 < m; m0 += kFusedRows) {
       const Int8X* xm = xq.data() + m0;
@@ -775,7 +775,7 @@ at::Tensor amx_linear(const QuantWeight& w, const at::Tensor& x) {
   const std::vector<int32_t> group_of = half_chunk_groups(w);
   at::Tensor y = at::empty({m, w.n}, x.options());
   c10::BFloat16* yptr = y.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, (strips + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+  parallel_for_dynamic(0, (strips + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     configure_tiles();
     std::vector<uint16_t> wt(2 * chunks * 512);
     std::vector<float> params(2 * w.groups());
@@ -908,7 +908,7 @@ at::Tensor dense_bf16(const at::Tensor& x, const at::Tensor& weight) {
   const uint16_t* wp = static_cast<const uint16_t*>(weight.data_ptr());
   const uint16_t* xp = static_cast<const uint16_t*>(x.data_ptr());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
+  parallel_for_dynamic(0, n, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < m; m0 += kFusedRows) {
       const int64_t mb = std::min<int64_t>(kFusedRows, m - m0);
       const uint16_t* xm = xp + m0 * k;
