@@ -14,7 +14,7 @@ from kvserve.engine.core import EngineCore
 from kvserve.frontend.detokenizer import IncrementalDetokenizer
 from kvserve.frontend.tokenizer import load_tokenizer
 from kvserve.types import CompletionOutput, FinishReason, Request, RequestOutput, SamplingParams
-from kvserve.worker.threads import configure_threads
+from kvserve.worker.threads import balance_threads, configure_threads
 
 
 @dataclass
@@ -95,6 +95,7 @@ class LLMEngine:
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One engine step; returns an output for every request that produced text or finished
         (only the finished ones with ``finished_only``, which saves copying on long batches)."""
+        balance_threads()  # one thread fewer while another process keeps a core busy
         updates = self.core.step()
         touched: dict[str, _Tracked] = {}
         for update in updates:

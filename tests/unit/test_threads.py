@@ -82,3 +82,56 @@ def test_cli_flag_is_parsed():
     from kvserve.entrypoints.cli import build_parser
 
     assert build_parser().parse_args(["generate", "hi", "--num-threads", "2"]).num_threads == 2
+
+
+class _Machine:
+    """Fake /proc counters: ``others`` and ``own`` cores busy, advanced by hand (100 ticks/s)."""
+
+    def __init__(self) -> None:
+        self.now, self.busy, self.own, self.applied = 0.0, 0, 0, []
+
+    def run(self, seconds: float, others: float, own: float) -> None:
+        self.now += seconds
+        self.busy += round((others + own) * 100 * seconds)
+        self.own += round(own * 100 * seconds)
+
+    def governor(self) -> threads.ContentionGovernor:
+        g = threads.ContentionGovernor(frozenset({0, 1}), 2, busy_ticks=lambda _cpus: self.busy,
+                                       own_ticks=lambda: self.own, clock=lambda: self.now, apply=self.applied.append)
+        g.hz = 100
+        return g
+
+
+def test_governor_drops_a_thread_while_a_neighbour_is_busy_and_returns():
+    m = _Machine()
+    g = m.governor()
+    assert g.tick() == 2
+    m.run(0.6, others=0.3, own=1.7)  # a load generator beside us: keep both threads
+    assert g.tick() == 2 and m.applied == []
+    m.run(0.6, others=1.0, own=1.0)  # a busy loop on one core
+    assert g.tick() == 1 and m.applied == [1]
+    m.run(0.6, others=1.0, own=1.0)
+    assert g.tick() == 1 and m.applied == [1]
+    m.run(0.6, others=0.1, own=1.0)  # it stopped
+    assert g.tick() == 2 and m.applied == [1, 2]
+
+
+def test_governor_measures_at_most_once_per_interval():
+    m = _Machine()
+    g = m.governor()
+    g.tick()
+    m.run(0.1, others=2.0, own=0.0)
+    assert g.tick() == 2  # too soon to judge
+    m.run(0.5, others=2.0, own=0.0)
+    assert g.tick() == 1
+
+
+def test_only_the_default_thread_count_adapts(applied):
+    settings = threads.ThreadSettings(passive_wait=True)
+    settings.configure(requested=2, env={}, cpus=2)
+    assert settings.governor is None
+    settings = threads.ThreadSettings(passive_wait=True)
+    settings.configure(env={}, cpus=2)
+    assert settings.governor is not None and settings.governor.full == 2
+    settings.configure(env={threads.ENV_VAR: "2"}, cpus=2)
+    assert settings.governor is None
