@@ -11,9 +11,10 @@ parity  greedy output of int8 (and native, int4, KV int8/fp8) against the dequan
         itself): share of prompts whose tokens are identical, the mean first divergence, and the
         teacher-forced top-1 agreement (the quantized model scores the reference's own output: how
         often its best next token is the reference's token, so one early flip is counted once).
-speed   decode tokens/s, one request and --concurrency requests, for bf16 / native 4-bit / int8,
-        measured round-robin in one process (--repeats rounds, median), so load from other
-        processes hits every configuration alike.
+speed   decode tokens/s (first token to last; and, for reference, generate tokens/s with the prefill),
+        one request and --concurrency requests, for bf16 / native 4-bit / int8, measured
+        round-robin in one process (--repeats rounds, median), so load from other processes hits
+        every configuration alike.
 Other sections use dtype bfloat16 (the AMX compute dtype).
 """
 
@@ -139,14 +140,21 @@ def _forced_agreement(llm, sequences: list[list[int]], num_scored: int) -> float
     return hits / total
 
 
-def _decode_rate(llm, num: int, new_tokens: int) -> float:
+def _rates(llm, num: int, new_tokens: int) -> tuple[float, float]:
+    """(decode tokens/s, generate tokens/s) of ``num`` requests at once. Decode: the tokens after each
+    request's first, over the time from the first token to the last (the issue's measure); generate:
+    every output token over the whole call, the prefill included."""
     from kvserve import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     prompts = [[100 + (7 * i + j) % 5000 for j in range(16)] for i in range(num)]
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+    wall = time.perf_counter() - start
+    first = min(o.metrics.first_token for o in outs)
+    last = max(o.metrics.last_token for o in outs)
+    decode = sum(len(o.token_ids) - 1 for o in outs) / (last - first)
+    return decode, sum(len(o.token_ids) for o in outs) / wall
 
 
 def run_speed(args) -> dict:
@@ -154,23 +162,29 @@ def run_speed(args) -> dict:
     from other processes that drifts over minutes cancels out, and the median round is reported."""
     llms = {name: make_llm(FORMS[name]) for name in SPEED_FORMS}
     sizes = (1, args.concurrency)
-    rates: dict[str, dict[int, list[float]]] = {name: {n: [] for n in sizes} for name in llms}
+    kinds = ("decode", "generate")
+    rates = {kind: {name: {n: [] for n in sizes} for name in llms} for kind in kinds}
     for llm in llms.values():
-        _decode_rate(llm, 2, 4)  # warm-up
+        _rates(llm, 2, 4)  # warm-up
     for _ in range(args.repeats):
         for n in sizes:
             for name, llm in llms.items():
-                rates[name][n].append(_decode_rate(llm, n, args.decode_tokens if n == 1 else args.decode_tokens // 2))
+                decode, generate = _rates(llm, n, args.decode_tokens if n == 1 else args.decode_tokens // 2)
+                rates["decode"][name][n].append(decode)
+                rates["generate"][name][n].append(generate)
     out = {}
     base = SPEED_FORMS[0]
     for name in llms:
         out[name] = {}
         for n in sizes:
-            ratios = [r / b for r, b in zip(rates[name][n], rates[base][n])]
-            med, ratio = statistics.median(rates[name][n]), statistics.median(ratios)
-            out[name][n] = {"tokens_per_s": med, "vs_bf16": ratio, "runs": rates[name][n], "round_ratios": ratios}
-            print(f"speed {name:20} concurrency {n:3d}: {med:7.1f} tok/s, {ratio:.2f}x bf16 (median of rounds "
-                  f"{[round(r, 2) for r in ratios]})", flush=True)
+            out[name][n] = {}
+            for kind in kinds:
+                runs = rates[kind][name][n]
+                ratios = [r / b for r, b in zip(runs, rates[kind][base][n])]
+                med, ratio = statistics.median(runs), statistics.median(ratios)
+                out[name][n][kind] = {"tokens_per_s": med, "vs_bf16": ratio, "runs": runs, "round_ratios": ratios}
+                print(f"speed {kind:8} {name:20} concurrency {n:3d}: {med:7.1f} tok/s, {ratio:.2f}x bf16 "
+                      f"(median of rounds {[round(r, 2) for r in ratios]})", flush=True)
     return out
 
 
