@@ -135,7 +135,7 @@ void decode_one(const T* q, const Rows& k_rows, const Rows& v_rows, const int64_
 
 #if defined(__AVX512F__)
 constexpr int kChunk = 16;  // tokens handled together: one zmm holds their scores
-constexpr int kAhead = 3;   // chunks between a prefetch (into L2) and the use of its rows
+constexpr int kAhead = 1;   // chunks between the prefetch of a row and its use
 
 // 2^x for x <= 0, ~2e-7 relative error: 2^x = 2^n * 2^f, n = round(x), |f| <= 1/2, 2^f by its
 // degree-6 Taylor polynomial. x is clamped at -200 first, so -inf gives 0 rather than NaN.
@@ -245,16 +245,19 @@ void decode_vec(const T* q, const Elem* k_base, const Elem* v_base, int64_t num_
   for (int64_t start = 0; start < seq_len; start += kChunk) {
     const int n = static_cast<int>(std::min<int64_t>(kChunk, seq_len - start));
     const int64_t* rows = &s.rows[start];
-    // The blocks are scattered over the pool: fetch the rows kAhead chunks on into L2 meanwhile.
-    for (int64_t t = start + kAhead * kChunk; t < std::min(seq_len, start + (kAhead + 1) * kChunk); ++t) {
-      const char *kr = reinterpret_cast<const char*>(k_base + s.rows[t]), *vr = reinterpret_cast<const char*>(v_base + s.rows[t]);
-      for (int64_t b = 0; b < span_bytes; b += 64) {
-        _mm_prefetch(kr + b, _MM_HINT_T1);
-        _mm_prefetch(vr + b, _MM_HINT_T1);
+    // The blocks are scattered over the pool: the rows kAhead chunks on are prefetched a line at a
+    // time while this chunk is computed (pump() below, once per token and head), so the requests
+    // overlap the arithmetic instead of stalling it in one burst when the miss queue is full.
+    const int64_t pf_start = start + kAhead * kChunk, pf_end = std::min(seq_len, pf_start + kChunk);
+    int64_t pf_t = pf_start, pf_off = 0;
+    auto pump = [&](int lines) {
+      for (int i = 0; i < lines && pf_t < pf_end; ++i) {
+        const char* base = reinterpret_cast<const char*>(pf_off < span_bytes ? k_base : v_base);
+        _mm_prefetch(base + s.rows[pf_t] * static_cast<int64_t>(sizeof(Elem)) + pf_off % span_bytes, _MM_HINT_T0);
+        pf_off += 64;
+        if (pf_off >= 2 * span_bytes) { pf_off = 0; ++pf_t; }
       }
-      _mm_prefetch(kr + span_bytes - 1, _MM_HINT_T1);  // spans need not start on a line
-      _mm_prefetch(vr + span_bytes - 1, _MM_HINT_T1);
-    }
+    };
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
 
     for (int64_t hh = 0; hh < nh; ++hh) {
@@ -286,6 +289,7 @@ void decode_vec(const T* q, const Elem* k_base, const Elem* v_base, int64_t num_
         __m512 part[kChunk];
         for (int t = 0; t < kChunk; ++t) {
           __m512 acc = _mm512_setzero_ps();
+          pump(1);
           if (t < n) {
 #if defined(__AVX512BF16__)
             if (bf16_types && bf16_dot) {
@@ -353,6 +357,7 @@ void decode_vec(const T* q, const Elem* k_base, const Elem* v_base, int64_t num_
               a[j][c] = j < gb ? _mm512_mul_ps(_mm512_loadu_ps(&s.acc[(g0 + j) * kD + 16 * c]), _mm512_set1_ps(s.alpha[g0 + j]))
                                : _mm512_setzero_ps();
           for (int t = 0; t < n; ++t) {
+            pump(1);
             const Elem* vr = v_base + rows[t] + hoff;
             __m512 v[kV];
             for (int c = 0; c < kV; ++c) v[c] = load16<K>(vr + 16 * c);
