@@ -29,7 +29,7 @@ import transformers, fastapi, uvicorn, kvserve; lap("import transformers, fastap
 from kvserve.model.default_model import verified_default_model_path
 path = verified_default_model_path(); lap("sha256 of the GGUF file")
 from kvserve.model import gguf_file
-gguf_file._reader(path); lap("GGUF metadata parse (gguf.GGUFReader)")
+gguf_file.read_config(path); lap("GGUF header (cached index; gguf.GGUFReader on a first start)")
 from kvserve.model.loader import load_model
 quant = None if sys.argv[2] == "default" else sys.argv[2]
 model, cfg = load_model(path, getattr(torch, sys.argv[1]), torch.device("cpu"), quant); lap("build model, fill weights")

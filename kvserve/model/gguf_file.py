@@ -9,6 +9,10 @@ applies to Llama-architecture checkpoints (a permutation of rows, so it applies 
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -44,46 +48,86 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
                  "output.weight": "lm_head.weight"}
 
 
-@lru_cache(maxsize=2)
+_INDEX_VERSION = 1
+_NUMPY_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                "I32": np.int32, "I64": np.int64}
+
+
 def _reader(path: Path):
-    """Parsing the metadata of a GGUF file takes seconds (large vocabularies), so do it once."""
     import gguf
 
     return gguf.GGUFReader(str(path))
 
 
-def _field(reader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+@lru_cache(maxsize=4)
+def _index(path: Path) -> dict[str, Any]:
+    """What kvserve reads of a GGUF file's header: scalar metadata (arrays only by length, as
+    ``<key>#len``) and every tensor's name, type, dims and data offset.
+
+    gguf.GGUFReader parses every metadata array element by element, about 3 s for a 49K-token
+    vocabulary, which was the largest part of the server's start-up. So the index is built once and
+    cached as JSON under the cache directory, keyed by the file's path, size and mtime.
+    """
+    from kvserve.frontend.tokenizer import cache_dir
+
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{_INDEX_VERSION}".encode()).hexdigest()
+    cached = cache_dir() / "gguf" / f"{key[:20]}.json"
+    try:
+        return json.loads(cached.read_text())
+    except (OSError, ValueError):
+        pass
+    import gguf
+
+    reader = _reader(path)
+    fields: dict[str, Any] = {}
+    for name, field in reader.fields.items():
+        if field.types and field.types[0] == gguf.GGUFValueType.ARRAY:
+            fields[f"{name}#len"] = len(field.data)
+        else:
+            fields[name] = field.contents()
+    tensors = [[t.name, t.tensor_type.name, [int(d) for d in t.shape], int(t.data_offset)] for t in reader.tensors]
+    index = {"fields": fields, "tensors": tensors}
+    try:  # write-then-rename: a concurrent reader never sees half a file
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(index))
+        tmp.replace(cached)
+    except OSError:  # a read-only cache directory costs the parse next time, nothing else
+        pass
+    return index
+
+
+def _field(index: dict[str, Any], key: str, default: Any = None) -> Any:
+    return index["fields"].get(key, default)
 
 
 def read_config(path: Path) -> dict[str, Any]:
     """An HF-style config.json dict built from the file's metadata."""
-    reader = _reader(path)
-    arch = _field(reader, "general.architecture")
+    index = _index(path)
+    arch = _field(index, "general.architecture")
     if arch not in _ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(_ARCHITECTURES)}")
-    names = {t.name for t in reader.tensors}
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    names = {t[0] for t in index["tensors"]}
+    heads = int(_field(index, f"{arch}.attention.head_count"))
+    hidden = int(_field(index, f"{arch}.embedding_length"))
     cfg = {
         "architectures": [_ARCHITECTURES[arch]],
         "model_type": arch,
         "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "intermediate_size": int(_field(index, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_field(index, f"{arch}.block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 4096)),
-        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(tokens))),
+        "num_key_value_heads": int(_field(index, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(_field(index, f"{arch}.attention.key_length", hidden // heads)),
+        "max_position_embeddings": int(_field(index, f"{arch}.context_length", 4096)),
+        "rms_norm_eps": float(_field(index, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(_field(index, f"{arch}.rope.freq_base", 10000.0)),
+        "vocab_size": int(_field(index, f"{arch}.vocab_size", _field(index, "tokenizer.ggml.tokens#len", 0))),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": _field(index, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(index, "tokenizer.ggml.eos_token_id"),
     }
     if "rope_freqs.weight" in names:
         raise ValueError("GGUF files with rope_freqs (Llama 3.1 scaling) are not supported yet; use the HF folder")
@@ -127,24 +171,31 @@ class GGUFBlocks:
 
 def tensor_types(path: Path) -> dict[str, str]:
     """HF tensor name -> GGML type name (e.g. "Q4_1", "F32") for every tensor in the file."""
-    return {_hf_name(t.name): t.tensor_type.name for t in _reader(path).tensors}
+    return {_hf_name(name): type_name for name, type_name, _dims, _offset in _index(path)["tensors"]}
 
 
 def iter_weights(path: Path, config: dict[str, Any], keep_blocks: bool = False
                  ) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
     """Yield (HF name, tensor) for every tensor in the file: float32 tensors, except block-quantized
-    matrices, which come as ``GGUFBlocks`` when ``keep_blocks``."""
+    matrices, which come as ``GGUFBlocks`` when ``keep_blocks``. The data is read through a memory map."""
     import gguf
 
-    reader = _reader(path)
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
     arch = config["model_type"]
-    for t in reader.tensors:
-        name = _hf_name(t.name)
-        shape = tuple(int(d) for d in reversed(t.shape))
-        if keep_blocks and len(shape) == 2 and t.tensor_type.name not in _FLOAT_TYPES:
-            tensor: torch.Tensor | GGUFBlocks = GGUFBlocks(np.asarray(t.data).reshape(shape[0], -1), t.tensor_type, shape)
+    for gguf_name, type_name, dims, offset in _index(path)["tensors"]:
+        name = _hf_name(gguf_name)
+        qtype = gguf.GGMLQuantizationType[type_name]
+        shape = tuple(reversed(dims))  # GGUF lists dimensions innermost first
+        if type_name in _NUMPY_TYPES:
+            item = np.dtype(_NUMPY_TYPES[type_name])
+            data = raw[offset:offset + math.prod(shape) * item.itemsize].view(item).reshape(shape)
         else:
-            array = gguf.quants.dequantize(t.data, t.tensor_type)
+            byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, qtype)
+            data = raw[offset:offset + math.prod(byte_shape)].reshape(byte_shape)
+        if keep_blocks and len(shape) == 2 and type_name not in _FLOAT_TYPES:
+            tensor: torch.Tensor | GGUFBlocks = GGUFBlocks(np.asarray(data).reshape(shape[0], -1), qtype, shape)
+        else:
+            array = gguf.quants.dequantize(data, qtype)
             tensor = torch.from_numpy(np.array(array, dtype=np.float32, copy=True).reshape(shape))
         if arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
