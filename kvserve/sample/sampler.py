@@ -50,10 +50,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [B, V] -> the next token id of every row (and logprobs where asked)."""
-        if batch.all_greedy and not any(p.needs_penalties or p.logprobs is not None for p in batch.params):
-            # bf16 -> float32 is exact and monotonic: the same argmax without converting [B, V] first
-            return SamplerOutput(logits.max(dim=-1).indices.tolist())
-        raw = logits.float()
+        # A pure argmax needs no float copy of [B, V]: bf16 -> float32 is exact and monotonic.
+        plain_greedy = batch.all_greedy and not any(p.needs_penalties or p.logprobs is not None for p in batch.params)
+        raw = logits if plain_greedy else logits.float()
         tokens = self._sample(apply_penalties(raw, batch.params, batch.prompt_token_ids, batch.output_token_ids),
                               batch)
         if all(p.logprobs is None for p in batch.params):

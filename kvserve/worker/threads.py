@@ -69,12 +69,17 @@ def prepare_openmp(environ: MutableMapping[str, str], torch_loaded: bool) -> boo
     return environ.get(WAIT_POLICY, "").strip().upper() == "PASSIVE"
 
 
-def available_cpus() -> int:
-    """Cores this process may run on (taskset and cgroup cpusets shrink it), not the machine's count."""
+def allowed_cpus() -> frozenset[int]:
+    """The cores this process may run on (taskset and cgroup cpusets shrink it)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return frozenset(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
+        return frozenset(range(os.cpu_count() or 1))
+
+
+def available_cpus() -> int:
+    """How many cores this process may run on, not the machine's count."""
+    return len(allowed_cpus())
 
 
 def default_num_threads(cpus: int, bounded_wait: bool) -> int:
@@ -189,20 +194,13 @@ class ThreadSettings:
             self.explicit = choice
         _apply(choice.num_threads)
         # Only the default adapts: an explicit count is the user's to keep.
-        self.governor = (ContentionGovernor(_cpu_set(), choice.num_threads)
+        self.governor = (ContentionGovernor(allowed_cpus(), choice.num_threads)
                          if choice.source == "default" and choice.num_threads > 1 and sys.platform == "linux" else None)
         return choice
 
     def tick(self) -> None:
         if self.governor is not None:
             self.governor.tick()
-
-
-def _cpu_set() -> frozenset[int]:
-    try:
-        return frozenset(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return frozenset(range(os.cpu_count() or 1))
 
 
 def _apply(num_threads: int) -> None:

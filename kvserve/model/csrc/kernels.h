@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <exception>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 // at::parallel_for's contract (f(begin, end) over consecutive pieces of at least `grain` items), but
@@ -97,6 +98,7 @@ class LlamaDecoder {
   std::vector<LayerSpec> layers_;
   at::Tensor final_norm_, cos_, sin_;
   std::vector<at::Tensor> kv_caches_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> halves_;  // each cache's K and V views
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
   int64_t kv_kind_;  // paged_decode_attention's cache kind: 0 the model dtype, 1 int8, 2 fp8

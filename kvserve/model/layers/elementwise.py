@@ -7,8 +7,6 @@ for rotary), so the model code does not care which one runs.
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 import torch.nn.functional as F
 
@@ -17,10 +15,8 @@ from kvserve.model.cpu_kernels import load_kernels
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@cache  # called several times per layer and step: a no-argument cache hit is the cheapest lookup
-def load_elementwise_kernels():
-    """The compiled kernels, or None where they cannot be built (see cpu_kernels.load_kernels)."""
-    return load_kernels()
+# The compiled kernels, or None where they cannot be built (a cached call: several per layer and step).
+load_elementwise_kernels = load_kernels
 
 
 def _kernels_for(x: torch.Tensor):

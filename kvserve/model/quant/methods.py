@@ -13,7 +13,6 @@ the weight is dequantized per call and multiplied with torch (correct, not fast)
 
 from __future__ import annotations
 
-from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -34,10 +33,8 @@ _TILE_BYTES = 1 << 21  # a dequantized tile of W that stays in L2 while at::mm r
 _LOAD_CHUNK_VALUES = 1 << 18
 
 
-@cache  # called for every linear of every step: a no-argument cache hit is the cheapest lookup
-def load_quant_kernels():
-    """The compiled int8/int4 kernels, or None where they cannot be built."""
-    return load_kernels()
+# The compiled matmul kernels, or None where they cannot be built (a cached call: every linear, every step).
+load_quant_kernels = load_kernels
 
 
 def _dest_rows(layer, rows: tuple[int, int] | None) -> tuple[int, int]:

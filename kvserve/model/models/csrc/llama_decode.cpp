@@ -29,10 +29,12 @@ LlamaDecoder::LlamaDecoder(std::vector<LayerSpec> layers, at::Tensor final_norm,
       eps_(eps), scale_(scale), kv_kind_(kv_kind) {
   TORCH_CHECK(layers_.size() == kv_caches_.size(), "one KV cache per layer");
   TORCH_CHECK(kv_kind_ >= 0 && kv_kind_ <= 2, "unknown KV cache kind ", kv_kind_);
-  for (const at::Tensor& cache : kv_caches_)
+  for (const at::Tensor& cache : kv_caches_) {
     TORCH_CHECK(cache.is_contiguous() && cache.dim() == 5 && cache.size(0) == 2 && cache.size(3) == num_kv_heads_ &&
                     cache.size(4) == head_dim_ + (kv_kind_ ? 2 : 0),
                 "KV caches must be contiguous [2, blocks, block_size, kv_heads, head_dim (+ 2 for a scale)]");
+    halves_.emplace_back(cache[0], cache[1]);  // K and V, selected once, not per step
+  }
 }
 
 // Stores k, v [T, Hkv, D] at their slots of the flat cache, as TorchAttentionBackend._write does.
@@ -100,10 +102,9 @@ at::Tensor LlamaDecoder::forward(const at::Tensor& x, const at::Tensor& position
       k = rms_norm(k, c10::nullopt, *layer.k_norm, eps_);
     }
     rotary_(q, k, positions, cos_, sin_);
-    const at::Tensor& cache = kv_caches_[i];
-    write_kv(k, v, cache, slot_mapping);
-    const at::Tensor attn = paged_decode_attention(q.contiguous(), cache[0], cache[1], block_tables, seq_lens,
-                                                   scale_, kv_kind_);
+    write_kv(k, v, kv_caches_[i], slot_mapping);
+    const at::Tensor attn = paged_decode_attention(q.contiguous(), halves_[i].first, halves_[i].second, block_tables,
+                                                   seq_lens, scale_, kv_kind_);
     normed = rms_norm(layer.o.apply(attn.view({tokens, q_width})), residual, layer.post_norm, eps_);
     h = layer.down.apply(silu_mul(layer.gate_up.apply(normed)));
   }

@@ -870,7 +870,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 // per pass (as many as the registers hold) and a prefetch kAhead rows ahead keep more cache-line
 // fills in flight: one row at a time read 10 GB/s from memory here, this 12.5 (a read-only loop: 12.6).
 template <int MB>
-void dense_bf16_rows(const uint16_t* w, const uint16_t* x, int64_t k, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+void dense_bf16_rows(const uint16_t* w, const uint16_t* x, int64_t k, int64_t n0, int64_t n1, c10::BFloat16* y,
+                     int64_t ldy) {
   constexpr int R = MB == 1 ? 8 : 4, kAhead = 8;
   const int64_t chunks = k / 32;
   int64_t n = n0;
@@ -889,7 +890,7 @@ void dense_bf16_rows(const uint16_t* w, const uint16_t* x, int64_t k, int64_t n0
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MB; ++m) y[m * ldy + n + r] = _mm512_reduce_add_ps(acc[r][m]);
+      for (int m = 0; m < MB; ++m) y[m * ldy + n + r] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[r][m]));
   }
   for (; n < n1; ++n) {
     __m512 acc[MB];
@@ -898,21 +899,21 @@ void dense_bf16_rows(const uint16_t* w, const uint16_t* x, int64_t k, int64_t n0
       const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + n * k + c * 32);
       for (int m = 0; m < MB; ++m) acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_loadu_si512(x + m * k + c * 32));
     }
-    for (int m = 0; m < MB; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(acc[m]);
+    for (int m = 0; m < MB; ++m) y[m * ldy + n] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[m]));
   }
 }
 
 at::Tensor dense_bf16(const at::Tensor& x, const at::Tensor& weight) {
   const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1);
-  at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  at::Tensor y = at::empty({m, n}, x.options());  // float sums rounded once, as at::to(kBFloat16) would
   const uint16_t* wp = static_cast<const uint16_t*>(weight.data_ptr());
   const uint16_t* xp = static_cast<const uint16_t*>(x.data_ptr());
-  float* yp = y.data_ptr<float>();
+  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
   parallel_for_dynamic(0, n, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < m; m0 += kFusedRows) {
       const int64_t mb = std::min<int64_t>(kFusedRows, m - m0);
       const uint16_t* xm = xp + m0 * k;
-      float* ym = yp + m0 * n;
+      c10::BFloat16* ym = yp + m0 * n;
       switch (mb) {
         case 1: dense_bf16_rows<1>(wp, xm, k, n0, n1, ym, n); break;
         case 2: dense_bf16_rows<2>(wp, xm, k, n0, n1, ym, n); break;
@@ -921,7 +922,7 @@ at::Tensor dense_bf16(const at::Tensor& x, const at::Tensor& weight) {
       }
     }
   });
-  return y.to(at::kBFloat16);
+  return y;
 }
 #endif
 
