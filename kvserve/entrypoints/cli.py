@@ -18,6 +18,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
+                   help="auto = C++ kernels on the CPU, Triton on CUDA; torch = the PyTorch reference path")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn off automatic prefix caching")
     p.add_argument("--speculative-method", choices=["ngram", "draft"], default=None)
     p.add_argument("--num-speculative-tokens", type=int, default=4)
@@ -40,7 +43,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory_bytes=int(args.kv_cache_memory * 1024**3), max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                seed=args.seed, device=args.device, enable_prefix_caching=not args.no_prefix_caching,
+                seed=args.seed, device=args.device, attention_backend=args.attention_backend,
+                enforce_eager=args.enforce_eager, enable_prefix_caching=not args.no_prefix_caching,
                 speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
                 speculative_model=args.speculative_model, speculative_ngram_min=args.speculative_ngram_min,
                 speculative_ngram_max=args.speculative_ngram_max,

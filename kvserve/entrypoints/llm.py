@@ -38,7 +38,7 @@ _SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "speculative": 
 
 
 def engine_config(model: str | None = None, dtype: str = "float32", seed: int = 0, device: str = "cpu",
-                  **options) -> EngineConfig:
+                  attention_backend: str = "auto", enforce_eager: bool = False, **options) -> EngineConfig:
     """The EngineConfig for flat options (see _OPTIONS); `kvserve serve` builds its engine the same way.
 
     Unknown option names raise ValueError listing the known ones; each value is checked by its section.
@@ -51,7 +51,8 @@ def engine_config(model: str | None = None, dtype: str = "float32", seed: int = 
         section, field_name = _OPTIONS[name]
         fields[section][field_name] = value
     sections = {name: cls(**fields[name]) for name, cls in _SECTIONS.items()}
-    return EngineConfig(model=model, dtype=dtype, seed=seed, device=device, **sections)
+    return EngineConfig(model=model, dtype=dtype, seed=seed, device=device, attention_backend=attention_backend,
+                        enforce_eager=enforce_eager, **sections)
 
 
 class LLM:

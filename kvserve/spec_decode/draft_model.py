@@ -37,7 +37,8 @@ class DraftModelProposer:
 
         info = size_kv_cache(engine_config, self.config)
         self.kv = KVCacheManager(info.num_blocks, info.block_size, enable_prefix_caching=False)
-        self.runner = ModelRunner(model, self.config, get_backend(device, engine_config.cache.kv_cache_dtype),
+        self.runner = ModelRunner(model, self.config, get_backend(device, engine_config.cache.kv_cache_dtype,
+                                                                       engine_config.attention_backend),
                                   info.num_blocks, info.block_size,
                                   engine_config.torch_dtype, device, engine_config.seed + _DRAFT_SEED_OFFSET)
         self._computed: dict[str, int] = {}

@@ -16,6 +16,7 @@ from kvserve.model.models.llama_decode import build_fused_decoder
 from kvserve.sample.sampler import Sampler, SamplingBatch, scored_logprobs
 from kvserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from kvserve.spec_decode.verify import verify
+from kvserve.worker.cuda_graphs import capture_decode_graphs
 from kvserve.types import TokenLogprob
 
 
@@ -33,7 +34,9 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, backend: AttentionBackend, num_blocks: int,
-                 block_size: int, kv_dtype: torch.dtype, device: torch.device, seed: int = 0) -> None:
+                 block_size: int, kv_dtype: torch.dtype, device: torch.device, seed: int = 0,
+                 cuda_graphs: tuple[int, int] | None = None) -> None:
+        """``cuda_graphs`` = (max batch, max model length): capture decode steps on CUDA for up to that."""
         self.model, self.config, self.backend = model, config, backend
         self.block_size, self.device = block_size, device
         self.kv_caches = [
@@ -43,6 +46,9 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         # Pure decode steps in one C++ call where the model and backend allow (bitwise the same result).
         self.fused_decoder = build_fused_decoder(model, self.kv_caches, backend.fused_cache_kind(device))
+        self.decode_graphs = None
+        if cuda_graphs is not None and device.type == "cuda" and backend.supports_cuda_graphs:
+            self.decode_graphs = capture_decode_graphs(self._eager_forward, *cuda_graphs, block_size, device)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -79,8 +85,16 @@ class ModelRunner:
         return self.model.compute_logits(hidden[last])
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if self.fused_decoder is not None and not meta.prefill_seqs:
-            return self.fused_decoder(input_ids, positions, meta)
+        if not meta.prefill_seqs:
+            if self.fused_decoder is not None:
+                return self.fused_decoder(input_ids, positions, meta)
+            if self.decode_graphs is not None:
+                hidden = self.decode_graphs.run(input_ids, positions, meta)
+                if hidden is not None:
+                    return hidden
+        return self._eager_forward(input_ids, positions, meta)
+
+    def _eager_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
 
     def _verify(self, batch: list[ScheduledRequest], rows: list[int], hidden: torch.Tensor,

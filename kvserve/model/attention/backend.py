@@ -1,13 +1,14 @@
 """The attention backend seam: the only place that knows how KV blocks are laid out and read.
 
 The model calls ``backend.forward(q, k, v, kv_cache, metadata)`` for every layer. The worker
-builds one ``AttentionMetadata`` per step describing the flat, unpadded batch. A CUDA backend
-(Triton, flash-attn, flashinfer) implements the same two methods and registers itself; nothing
-in the scheduler, worker or model changes.
+builds one ``AttentionMetadata`` per step describing the flat, unpadded batch. The CUDA backend
+(triton_paged.py) implements the same methods and registers itself; nothing in the scheduler,
+worker or model changes.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -34,12 +35,23 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [len(decode_seqs), blocks of the longest decode]
     decode_seq_lens: torch.Tensor  # [len(decode_seqs)] int64
     block_size: int
+    query_start_t: torch.Tensor | None = None  # [num_seqs + 1] int64 on device; built on first use if None
+
+    @property
+    def max_query_len(self) -> int:
+        return max((b - a for a, b in zip(self.query_start, self.query_start[1:])), default=0)
+
+    def query_start_device(self) -> torch.Tensor:
+        if self.query_start_t is None:
+            self.query_start_t = torch.tensor(self.query_start, dtype=torch.long, device=self.slot_mapping.device)
+        return self.query_start_t
 
 
 class AttentionBackend(Protocol):
     """What a backend provides; see ``TorchAttentionBackend`` for the reference semantics."""
 
     name: str
+    supports_cuda_graphs: bool  # a pure decode step may be captured and replayed (no host values in launches)
 
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
@@ -64,18 +76,25 @@ def register_backend(name: str) -> Callable:
     return wrap
 
 
-def get_backend(device: torch.device, kv_cache_dtype: str = "auto") -> AttentionBackend:
-    """The backend for a device: 'cuda' uses a CUDA backend when one is registered, else 'torch'.
+def get_backend(device: torch.device, kv_cache_dtype: str = "auto", name: str = "auto") -> AttentionBackend:
+    """The attention backend for a device.
 
-    ``kv_cache_dtype`` "int8" / "fp8" selects a quantized cache (kv_quant.py); a factory is called
-    as ``factory(kv_cache_dtype=...)``.
+    ``name`` "auto" picks the device's best: the Triton backend ("cuda") on CUDA, else "torch".
+    "triton" asks for the Triton kernels anywhere (on the CPU only under TRITON_INTERPRET=1, which
+    the tests use); "torch" is the reference path. ``kv_cache_dtype`` "int8" / "fp8" selects a
+    quantized cache (kv_quant.py); a factory is called as ``factory(kv_cache_dtype=...)``.
     """
     from kvserve.model.attention import torch_sdpa  # noqa: F401  (registers "torch")
 
-    if device.type == "cuda":
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 to interpret "
+                             "the kernels on the CPU, which only tests should do)")
         try:
-            from kvserve.model.attention import triton_paged  # noqa: F401
-        except ImportError:
-            pass
-    name = "cuda" if device.type == "cuda" and "cuda" in _BACKENDS else "torch"
-    return _BACKENDS[name](kv_cache_dtype=kv_cache_dtype)
+            from kvserve.model.attention import triton_paged  # noqa: F401  (registers "cuda")
+        except ImportError as e:
+            if name == "triton":
+                raise ValueError(f"attention_backend='triton' needs the triton package: {e}") from e
+    if name == "triton" or (name == "auto" and device.type == "cuda" and "cuda" in _BACKENDS):
+        return _BACKENDS["cuda"](kv_cache_dtype=kv_cache_dtype)
+    return _BACKENDS["torch"](kv_cache_dtype=kv_cache_dtype)

@@ -25,6 +25,7 @@ class TorchAttentionBackend:
     """Decodes use the compiled paged kernel on the CPU when it builds, else a gather + SDPA."""
 
     name = "torch"
+    supports_cuda_graphs = False  # decode shapes follow the longest sequence, a host value
 
     def __init__(self, use_kernels: bool = True, kv_cache_dtype: str = "auto") -> None:
         self.kernels = load_kernels() if use_kernels else None
