@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.model.cpu_kernels import load_kernels
 from kvserve.sample.penalties import apply_penalties
 from kvserve.types import SamplingParams, TokenLogprob
 
@@ -61,9 +62,7 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Next token ids [B] (int64, on the CPU)."""
-        # max().indices, not argmax(): the same first index on ties, and 5x faster on the CPU
-        # (3.1 vs 0.66 ms for 32 x 49152 bf16 logits).
-        greedy = logits.max(dim=-1).indices
+        greedy = argmax_rows(logits)
         if batch.all_greedy:
             return greedy.cpu()
         probs = filtered_probs(logits, batch.params)
@@ -79,6 +78,17 @@ class Sampler:
                 gen = torch.Generator().manual_seed((p.seed * _SEED_STRIDE + n) % (1 << 63))  # any int seed is valid
                 noise[row].exponential_(generator=gen)
         return noise
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Index of each row's largest logit, the first on ties: the C++ kernel on the CPU (one pass at
+    memory speed: 0.9 vs 6.1 ms for 256 x 49152 bf16 logits), else max().indices (not argmax(),
+    which was 5x slower on the CPU)."""
+    if logits.device.type == "cpu" and logits.dim() == 2 and logits.stride(-1) == 1 and logits.shape[-1] > 0:
+        kernels = load_kernels()
+        if kernels is not None and logits.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            return kernels.argmax_rows(logits)
+    return logits.max(dim=-1).indices
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -93,3 +93,19 @@ def test_silu_mul_matches_reference(dtype, reference):
     out = E.silu_mul(x)
     assert out.shape == (9, 1536)
     _close(out, reference(E.silu_mul, x), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [1, 15, 16, 49152 + 7])  # below, at and past the vector width, with a tail
+def test_argmax_rows_matches_torch(dtype, width):
+    from kvserve.sample.sampler import argmax_rows
+
+    torch.manual_seed(0)
+    x = torch.randn(9, width).to(dtype)
+    x[1] = 0.5  # a row of ties: the first index wins
+    x[2] = float("-inf")
+    x[3, -1] = 100.0  # the winner in the scalar tail
+    if width > 40:
+        x[4, 3] = x[4, 37] = 100.0  # tie across vector lanes and steps
+    assert torch.equal(argmax_rows(x), x.max(dim=-1).indices)
+    assert torch.equal(argmax_rows(x[:, : max(1, width // 2)]), x[:, : max(1, width // 2)].max(dim=-1).indices)

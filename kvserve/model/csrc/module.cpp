@@ -10,6 +10,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding into the residual in place (CPU)");
   m.def("rotary_", &rotary_, "rotate-half rotary embedding of q and k in place (CPU)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up (CPU)");
+  m.def("argmax_rows", &argmax_rows, "index of each row's largest value, first on ties (CPU)", no_gil);
   m.def("quant_linear", &quant_linear, "weight-only int8/int4 linear (CPU)", no_gil);
   m.def("dequantize", &dequantize, "dequantize an int8/int4 weight (CPU)", no_gil);
   m.def("dense_linear", &dense_linear, "x W^T for a dense bf16 weight and a few rows of x (CPU)", no_gil);

@@ -249,6 +249,47 @@ at::Tensor silu_mul_typed(const at::Tensor& x) {
   return out.view(sizes);
 }
 
+// Index of the largest value of each row (the first one on ties, as torch's max().indices).
+template <typename T>
+void argmax_rows_typed(const at::Tensor& x, int64_t* out) {
+  const int64_t rows = x.size(0), width = x.size(1);
+  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(width, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* row = x.data_ptr<T>() + r * x.stride(0);
+      float best = -INFINITY;
+      int64_t best_i = 0, i = 0;
+#if defined(__AVX512F__)
+      if (width >= kVec) {
+        // Per lane: the largest value so far and where it was first seen; then the lanes' winner.
+        __m512 lane_max = _mm512_set1_ps(-INFINITY);
+        __m512i lane_idx = _mm512_setzero_si512(), idx = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4,
+                                                                         3, 2, 1, 0);
+        const __m512i step = _mm512_set1_epi32(kVec);
+        for (; i + kVec <= width; i += kVec) {
+          const __m512 v = load16(row + i);
+          const __mmask16 greater = _mm512_cmp_ps_mask(v, lane_max, _CMP_GT_OQ);
+          lane_max = _mm512_mask_mov_ps(lane_max, greater, v);
+          lane_idx = _mm512_mask_mov_epi32(lane_idx, greater, idx);
+          idx = _mm512_add_epi32(idx, step);
+        }
+        alignas(64) float m[kVec];
+        alignas(64) int32_t at[kVec];
+        _mm512_store_ps(m, lane_max);
+        _mm512_store_si512(at, lane_idx);
+        for (int l = 0; l < kVec; ++l) {
+          if (m[l] > best || (m[l] == best && at[l] < best_i)) best = m[l], best_i = at[l];
+        }
+      }
+#endif
+      for (; i < width; ++i) {
+        const float v = load(row, i);
+        if (v > best) best = v, best_i = i;
+      }
+      out[r] = best_i;
+    }
+  });
+}
+
 void check_cpu(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu(), what, " must be on the CPU");
   TORCH_CHECK(t.size(-1) == 0 || t.stride(-1) == 1, what, " must have unit stride in its last dimension");
@@ -301,5 +342,16 @@ at::Tensor silu_mul(const at::Tensor& x) {
   TORCH_CHECK(x.size(-1) % 2 == 0, "last dimension must be even (gate then up)");
   at::Tensor out;
   KVSERVE_DISPATCH(x.scalar_type(), T, out = silu_mul_typed<T>(x));
+  return out;
+}
+
+// Greedy sampling's argmax over the vocabulary, for logits [rows, vocab]: one pass at memory speed,
+// where torch's max(dim=-1) ran at ~2 GB/s on bf16 (6 ms for 256 x 49152 logits).
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "expected logits [rows, vocab]");
+  TORCH_CHECK(x.size(1) < (int64_t{1} << 31), "rows longer than 2^31 values");
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  KVSERVE_DISPATCH(x.scalar_type(), T, argmax_rows_typed<T>(x, out.data_ptr<int64_t>()));
   return out;
 }
