@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvserve.bench.random_model import TINY_SHAPE, write_random_model
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Without a GPU, the CUDA backend's Triton kernels run in Triton's interpreter on CPU tensors. The
 # variable must be set before triton is first imported (its library functions are decorated then);
@@ -16,42 +18,12 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-TINY_VOCAB = 512
-
-
-def _tiny_tokenizer():
-    """A word-level tokenizer over TINY_VOCAB tokens, so tiny models can detokenize."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, TINY_VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+TINY_VOCAB = TINY_SHAPE["vocab_size"]
 
 
 def make_tiny_model(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
-    """Write a random-weight HF checkpoint (config.json + safetensors + tokenizer) to ``path``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                  "MistralForCausalLM": "mistral"}[arch]
-    kwargs = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, initializer_range=0.15,
-                  architectures=[arch])
-    kwargs.update(overrides)
-    config = AutoConfig.for_model(model_type, **kwargs)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if model_type == "qwen2":  # make the qkv biases non-zero so they are exercised
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                torch.nn.init.normal_(proj.bias, std=0.5)
-    model.save_pretrained(path)
-    _tiny_tokenizer().save_pretrained(path)
-    return path
+    """Write a tiny random-weight HF checkpoint (config.json + safetensors + tokenizer) to ``path``."""
+    return write_random_model(path, arch, seed, **overrides)
 
 
 @pytest.fixture(scope="session")

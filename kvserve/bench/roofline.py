@@ -78,8 +78,9 @@ class Batched:
         return self.achieved_flops / self.peak_flops
 
 
-def measure_machine(dtype: str, copy_mib: int, seconds: float):
-    """``measure_local`` with torch using every available core (the machine's ceiling, not the engine's)."""
+def measure_machine(dtype: str, copy_mib: int, seconds: float, device: str = "cpu"):
+    """``measure_local`` on ``device``; on the CPU with torch using every available core (the
+    machine's ceiling, not the engine's)."""
     import torch
 
     from kvserve.planner.hardware import measure_local
@@ -88,7 +89,7 @@ def measure_machine(dtype: str, copy_mib: int, seconds: float):
     before = torch.get_num_threads()
     torch.set_num_threads(available_cpus())
     try:
-        return measure_local(dtype, copy_bytes=copy_mib * 2**20, seconds=seconds)
+        return measure_local(dtype, copy_bytes=copy_mib * 2**20, seconds=seconds, device=device)
     finally:
         torch.set_num_threads(before)
 
@@ -136,13 +137,17 @@ def run(args) -> int:
     from kvserve import LLM
     from kvserve.worker.threads import configure_threads
 
-    hardware = measure_machine(args.dtype, args.copy_mib, args.measure_seconds)
+    import torch
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    hardware = measure_machine(args.dtype, args.copy_mib, args.measure_seconds, device.split(":")[0])
     threads = configure_threads(args.num_threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     # Dense weights in the dtype (GGUF blocks dequantized), as the planner prices them here; no prefix
     # caching, since the runs share prompts and every prefill FLOP is counted.
-    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=max(batch_sizes), quantization="none",
-              enable_prefix_caching=False, kv_cache_memory_bytes=int(args.kv_cache_memory * 1024**3))
+    llm = LLM(model=args.model, dtype=args.dtype, device=device, enforce_eager=args.enforce_eager,
+              max_num_seqs=max(batch_sizes), quantization="none", enable_prefix_caching=False,
+              kv_cache_memory_bytes=int(args.kv_cache_memory * 1024**3))
     setup = model_setup(llm.engine.core.model_path, hardware, args.dtype, llm.engine.core.kv_info.block_size)
     llm.generate(*_requests(llm, 1, 16, 4, args.seed), use_tqdm=False)  # warm-up: kernels, allocator
     single = run_single_stream(llm, setup, args.prompt_len, args.single_output_len, args.seed)
@@ -182,6 +187,8 @@ def add_parser(bench_sub) -> None:
     p = bench_sub.add_parser("roofline", help="memory-bandwidth and matmul bounds vs measured decode speed")
     p.add_argument("--model", default=None, help="HF model folder or .gguf file (default: the bundled model)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="cpu, cuda[:N], or auto (cuda when torch sees a GPU)")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
     p.add_argument("--num-threads", type=int, default=None, help="engine threads (default: kvserve's choice)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--single-output-len", type=int, default=256, help="output tokens of the single stream")

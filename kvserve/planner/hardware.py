@@ -70,15 +70,17 @@ def lookup_gpu(name: str) -> Hardware:
                      "(or give --gpu-memory, --bandwidth and --flops)")
 
 
-def measure_local(dtype: str = "float32", copy_bytes: int = 256 * 2**20, seconds: float = 0.5) -> Hardware:
+def measure_local(dtype: str = "float32", copy_bytes: int = 256 * 2**20, seconds: float = 0.5,
+                  device: str | None = None) -> Hardware:
     """This machine, measured: copy bandwidth of a large tensor and matmul FLOP/s in ``dtype``.
 
-    Uses the GPU when torch sees one, else the CPU and its RAM. Takes about ``2 * seconds``.
-    The FLOP/s measured for ``dtype`` stands in for every compute dtype of the entry.
+    Uses ``device`` ("cpu" or "cuda"); by default the GPU when torch sees one, else the CPU and its
+    RAM. Takes about ``2 * seconds``. The FLOP/s measured for ``dtype`` stands in for every compute
+    dtype of the entry.
     """
     import torch
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     bandwidth = _copy_bandwidth(torch, device, copy_bytes, seconds)
     flops = _matmul_flops(torch, device, getattr(torch, dtype), seconds)
     if device == "cuda":

@@ -57,7 +57,7 @@ def _paged_attention(
     q_stride_t, q_stride_h, out_stride_t, out_stride_h,
     cache_stride_block, cache_stride_tok, cache_stride_head, table_stride,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    TOKENS: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr,
+    TOKENS: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -92,7 +92,7 @@ def _paged_attention(
                 + kv_head * cache_stride_head
             k = tl.load(key_cache_ptr + offs[None, :] + dims[:, None], mask=pos_ok[None, :] & dim_ok[:, None],
                         other=0.0)  # [DIM_PAD, TILE]
-            s = tl.dot(q, k) * scale
+            s = tl.dot(q, k, input_precision=PRECISION) * scale
             s = tl.where((pos[None, :] <= q_pos[:, None]) & pos_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
@@ -100,7 +100,7 @@ def _paged_attention(
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(value_cache_ptr + offs[:, None] + dims[None, :], mask=pos_ok[:, None] & dim_ok[None, :],
                         other=0.0)  # [TILE, DIM_PAD]
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out = acc / tl.maximum(l_i, 1.0e-30)[:, None]
         tl.store(out_ptr + (q_first + tok)[:, None] * out_stride_t + head[:, None] * out_stride_h + dims[None, :],
@@ -152,6 +152,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, DIM_PAD=_pow2(head_dim),
         TOKENS=tokens, ROWS=rows, TILE=_TILE,
+        # float32 products in full precision (Triton's default for them is TF32, ~1e-3 relative):
+        # a float32 model must match its float32 reference.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out
 

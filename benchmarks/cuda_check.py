@@ -1,0 +1,166 @@
+"""The prepared GPU check (#7): CUDA correctness and speed in one run, for the few minutes a GPU is lent.
+
+    python benchmarks/cuda_check.py --out DIR            # on a machine with a CUDA GPU
+    python benchmarks/cuda_check.py --out DIR --dry-run  # the same steps on the CPU, tiny shapes
+
+Each step's result goes into DIR/cuda_check.json as soon as it ends; a failed step is recorded and
+the next one still runs.
+
+1. tests: pytest of the Triton kernels against the reference backend (adds bfloat16 on the GPU) and
+   of the engine on them against transformers, with decode steps replayed from CUDA graphs.
+2. parity: a random-weight 4-layer Llama (head_dim 64, GQA 8/2, 32K vocabulary) in float32:
+   greedy outputs of 8 prompts through the engine (Triton + CUDA graphs) against transformers on
+   the same GPU, token by token.
+3. speed: a random-weight Llama of TinyLlama-1.1B's shape in bfloat16 through
+   ``kvserve bench roofline --device cuda``, with CUDA graphs and with ``--enforce-eager``:
+   single-stream decode tok/s against the bandwidth bound, batched tok/s against the matmul peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PARITY_SHAPE = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                    num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+                    initializer_range=0.05)
+
+
+def run_tests(device: str) -> dict:
+    tests = ["tests/unit/test_triton_attention.py", "tests/models/test_triton_backend.py"]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=ROOT,
+                          capture_output=True, text=True)
+    return {"returncode": proc.returncode, "summary": proc.stdout.strip().splitlines()[-1:],
+            "tail": proc.stdout[-3000:] + proc.stderr[-2000:]}
+
+
+def run_parity(device: str, workdir: Path) -> dict:
+    import random
+
+    import torch
+
+    from kvserve import LLM, SamplingParams
+    from kvserve.bench.random_model import write_random_model
+    from tests.models.reference import check_greedy_matches, load_hf
+
+    path = write_random_model(workdir / "parity-llama", **PARITY_SHAPE)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, PARITY_SHAPE["vocab_size"]) for _ in range(rng.randint(8, 300))] for _ in range(8)]
+    llm = LLM(model=str(path), device=device, dtype="float32", num_kv_blocks=512, block_size=16,
+              max_num_batched_tokens=256)  # chunked prefill shares steps with decodes
+    outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), use_tqdm=False)
+    hf = load_hf(path).to(device)
+    compared, mismatch = 0, None
+    for prompt, out in zip(prompts, outs):
+        try:
+            compared += check_greedy_matches(_OnDevice(hf, device), prompt, out.token_ids)
+        except AssertionError as e:
+            mismatch = str(e)
+    runner = llm.engine.core.runner
+    return {"prompts": len(prompts), "tokens_compared": compared, "tokens_generated": 32 * len(prompts),
+            "mismatch": mismatch, "backend": type(runner.backend).__name__,
+            "cuda_graph_buckets": sorted(runner.decode_graphs.graphs) if runner.decode_graphs else None,
+            "ok": mismatch is None and compared >= 16 * len(prompts), "torch": torch.__version__}
+
+
+class _OnDevice:
+    """The reference model called with CPU ids (as check_greedy_matches builds them) on ``device``."""
+
+    def __init__(self, model, device: str) -> None:
+        self.model, self.device = model, device
+
+    def __call__(self, ids):
+        out = self.model(ids.to(self.device))
+        out.logits = out.logits.cpu()
+        return out
+
+
+def run_speed(device: str, workdir: Path, dry_run: bool) -> dict:
+    import torch
+
+    from kvserve.bench.random_model import LLAMA_1B_SHAPE, write_random_model
+
+    shape = dict(LLAMA_1B_SHAPE, initializer_range=0.02)
+    batch_sizes = "1,32,64,128,256"
+    if dry_run:
+        shape.update(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=32, vocab_size=1024)
+        batch_sizes = "2,4"
+    start = time.perf_counter()
+    path = write_random_model(workdir / "llama-1b", dtype=torch.bfloat16, device=device, **shape)
+    result = {"model_shape": shape, "write_seconds": round(time.perf_counter() - start, 1)}
+    for name, extra in (("cuda_graphs", []), ("eager", ["--enforce-eager"])):
+        cmd = [sys.executable, "-c", "import sys; from kvserve.entrypoints.cli import main; sys.exit(main())",
+               "bench", "roofline", "--model", str(path), "--device", device, "--dtype", "bfloat16",
+               "--batch-sizes", batch_sizes, "--kv-cache-memory", "0.05" if dry_run else "40",
+               "--prompt-len", "16" if dry_run else "128", "--single-output-len", "8" if dry_run else "256",
+               "--output-len", "8" if dry_run else "128", "--json", *extra]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode != 0:
+            result[name] = {"error": proc.stderr[-3000:]}
+            continue
+        report = json.loads(proc.stdout[proc.stdout.index("{"):])
+        best = next(b for b in report["batched"] if b["batch_size"] == report["best_batch_size"])
+        result[name] = {"report": report, "single_stream_tok_s": report["single_stream"]["decode_tokens_per_s"],
+                        "single_stream_fraction": report["single_stream"]["fraction"],
+                        "best_batch": best["batch_size"], "best_tok_s": best["output_tokens_per_s"],
+                        "best_flops_fraction": best["flops_fraction"]}
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: checks this script, not CUDA")
+    parser.add_argument("--steps", default="tests,parity,speed")
+    args = parser.parse_args()
+
+    import torch
+
+    device = "cpu" if args.dry_run else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device visible to torch; use --dry-run to check the script on the CPU", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu (dry run)",
+                     "torch": torch.__version__}
+    out_file = args.out / "cuda_check.json"
+    with tempfile.TemporaryDirectory() as tmp:
+        for step in args.steps.split(","):
+            start = time.perf_counter()
+            try:
+                if step == "tests":
+                    results[step] = run_tests(device)
+                elif step == "parity":
+                    results[step] = run_parity(device, Path(tmp))
+                elif step == "speed":
+                    results[step] = run_speed(device, Path(tmp), args.dry_run)
+                else:
+                    raise ValueError(f"unknown step {step!r}")
+            except Exception:
+                results[step] = {"error": traceback.format_exc()[-3000:]}
+            results[step]["seconds"] = round(time.perf_counter() - start, 1)
+            out_file.write_text(json.dumps(results, indent=2))
+            print(f"{step}: done in {results[step]['seconds']} s", flush=True)
+    print(json.dumps({k: v for k, v in results.items() if k != "speed"}, indent=2)[:4000])
+    for name in ("cuda_graphs", "eager"):
+        entry = results.get("speed", {}).get(name, {})
+        if "best_tok_s" in entry:
+            print(f"{name}: single stream {entry['single_stream_tok_s']:.1f} tok/s "
+                  f"({100 * entry['single_stream_fraction']:.0f}% of bandwidth bound); best batch "
+                  f"{entry['best_batch']}: {entry['best_tok_s']:.1f} tok/s "
+                  f"({100 * entry['best_flops_fraction']:.1f}% of matmul peak)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
