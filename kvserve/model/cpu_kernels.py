@@ -23,6 +23,7 @@ _SOURCES = [
     _MODEL / "layers" / "csrc" / "elementwise.cpp",
     _MODEL / "quant" / "csrc" / "quant_linear.cpp",
     _MODEL / "attention" / "csrc" / "paged_decode.cpp",
+    _MODEL / "attention" / "csrc" / "paged_prefill.cpp",
     _MODEL / "models" / "csrc" / "llama_decode.cpp",
 ]
 # at::parallel_for is an OpenMP pragma in the headers: without -fopenmp every kernel ran on one

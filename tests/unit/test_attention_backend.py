@@ -10,6 +10,7 @@ import torch
 from kvserve.model.attention.backend import AttentionMetadata
 from kvserve.model.cpu_kernels import load_kernels as load_cpu_kernels
 from kvserve.model.attention.torch_sdpa import TorchAttentionBackend
+from tests.unit.attention_meta import mixed_metadata
 
 
 def _decode_meta(lens: list[int], block_size: int, num_blocks: int) -> AttentionMetadata:
@@ -92,3 +93,28 @@ def test_kernel_fp8_decodes_every_value():
                                          torch.ones(4, dtype=torch.int64), dim**-0.5, 2)
     expected = rows.view(torch.float8_e4m3fn).float() * 0.75
     torch.testing.assert_close(out[:, 0], expected, atol=0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (8, 1, 64)])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_amx_prefill_matches_sdpa(heads, kv_heads, dim, block_size):
+    """A bf16 mixed step (decodes, fresh prompts, chunks after a cached prefix, a chunk longer than a
+    64-token task) through the AMX prefill kernel and through SDPA, each on its own cache copy."""
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.paged_prefill_supported(dim):
+        pytest.skip("no AMX prefill kernel on this machine")
+    torch.manual_seed(0)
+    chunks = [(0, 1), (0, 37), (33, 100), (20, 1), (0, 150), (16, 16), (128, 70), (5, 2)]
+    num_blocks = 160 if block_size == 16 else 400
+    meta = mixed_metadata(chunks, block_size, num_blocks)
+    total = meta.query_start[-1]
+    q = torch.randn(total, heads, dim).bfloat16()
+    k, v = torch.randn(total, kv_heads, dim).bfloat16(), torch.randn(total, kv_heads, dim).bfloat16()
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, dim).bfloat16()
+    fast, ref = TorchAttentionBackend(), TorchAttentionBackend(use_kernels=False)
+    assert fast._amx_prefill(q, cache)
+    out_fast = fast.forward(q, k, v, cache.clone(), meta, dim**-0.5)
+    out_ref = ref.forward(q, k, v, cache.clone(), meta, dim**-0.5)
+    # bf16 outputs and bf16 attention weights (as SDPA rounds them too): a step or two apart
+    torch.testing.assert_close(out_fast.float(), out_ref.float(), atol=2e-2, rtol=2e-2)
+    assert (out_fast.float() - out_ref.float()).abs().mean() < 2e-3

@@ -7,13 +7,12 @@ so the CPU runs check float32 and float16 and a GPU run adds bfloat16.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from kvserve.model.attention.backend import AttentionMetadata
 from kvserve.model.attention.torch_sdpa import TorchAttentionBackend
+from tests.unit.attention_meta import mixed_metadata
 
 pytest.importorskip("triton")
 
@@ -29,30 +28,6 @@ def triton_paged():
     return module
 
 
-def _metadata(chunks: list[tuple[int, int]], block_size: int, num_blocks: int, seed: int = 0) -> AttentionMetadata:
-    """A mixed step: sequence i has ``context`` cached tokens and brings ``new`` tokens (chunks[i])."""
-    rng = random.Random(seed)
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    seq_lens = [c + n for c, n in chunks]
-    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in seq_lens]
-    width = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    query_start = [0]
-    slots, decode_seqs, prefill_seqs = [], [], []
-    for i, (context, new) in enumerate(chunks):
-        query_start.append(query_start[-1] + new)
-        (decode_seqs if new == 1 else prefill_seqs).append(i)
-        slots += [tables[i][p // block_size] * block_size + p % block_size for p in range(context, context + new)]
-    decode_width = -(-max((seq_lens[i] for i in decode_seqs), default=0) // block_size)
-    return AttentionMetadata(
-        num_seqs=len(chunks), query_start=query_start, seq_lens=seq_lens, slot_mapping=torch.tensor(slots),
-        block_tables=block_tables, seq_lens_t=torch.tensor(seq_lens), decode_seqs=decode_seqs,
-        prefill_seqs=prefill_seqs, decode_token_index=torch.tensor([query_start[i] for i in decode_seqs]),
-        decode_block_tables=block_tables[decode_seqs, :decode_width],
-        decode_seq_lens=torch.tensor([seq_lens[i] for i in decode_seqs]), block_size=block_size)
-
-
 def _to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
     fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(meta).items()}
     return AttentionMetadata(**fields)
@@ -65,7 +40,7 @@ def test_mixed_step_matches_reference(triton_paged, dtype, tol, heads, kv_heads,
     """Decodes, a fresh prompt, a chunk after a cached prefix (block-aligned or not) in one launch."""
     torch.manual_seed(0)
     chunks = [(0, 1), (20, 1), (0, 37), (33, 20), (16, 16), (70, 1), (9, 70)]
-    meta = _metadata(chunks, block_size, num_blocks=96)
+    meta = mixed_metadata(chunks, block_size, num_blocks=96)
     total = meta.query_start[-1]
     q = torch.randn(total, heads, dim).to(dtype)
     k = torch.randn(total, kv_heads, dim).to(dtype)
@@ -86,7 +61,7 @@ def test_pure_decode_matches_reference(triton_paged, dtype, tol):
     """The decode launch (one query token per sequence, GQA group in the rows) over long contexts."""
     torch.manual_seed(1)
     chunks = [(n - 1, 1) for n in (1, 2, 63, 64, 65, 200, 129)]
-    meta = _metadata(chunks, 16, num_blocks=64, seed=3)
+    meta = mixed_metadata(chunks, 16, num_blocks=64, seed=3)
     q, kv = torch.randn(7, 6, 64).to(dtype), torch.randn(2, 7, 2, 64).to(dtype)
     cache = torch.randn(2, 64, 16, 2, 64).to(dtype)
     expected = TorchAttentionBackend(use_kernels=False).forward(q, kv[0], kv[1], cache.clone(), meta, 0.125)

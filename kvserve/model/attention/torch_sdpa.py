@@ -4,8 +4,9 @@ KV cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim
 the model dtype, or with ``kv_cache_dtype`` "int8" / "fp8" the packed uint8 rows of kv_quant.py
 (``head_dim`` one-byte values + a float16 scale per token and head).
 Decodes are batched into one SDPA call over their gathered blocks (or the C++ paged kernel, which
-reads quantized rows directly); prefill chunks run one sequence at a time, reading the cached
-prefix only when there is one (dequantizing the gathered blocks for a quantized cache).
+reads quantized rows directly). Prefill chunks in bf16 on a CPU with AMX go to the C++ paged
+prefill kernel, all in one call; otherwise they run one sequence at a time through SDPA, reading
+the cached prefix only when there is one (dequantizing the gathered blocks for a quantized cache).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class TorchAttentionBackend:
     def __init__(self, use_kernels: bool = True, kv_cache_dtype: str = "auto") -> None:
         self.kernels = load_kernels() if use_kernels else None
         self.kv_format = kv_quant_format(kv_cache_dtype)
+        self._prefill_ok: dict[int, bool] = {}  # head_dim -> the AMX prefill kernel serves it
 
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
@@ -58,10 +60,23 @@ class TorchAttentionBackend:
         if meta.decode_seqs:
             rows = meta.decode_token_index
             out[rows] = self._decode(q[rows], kv_cache, meta, scale)
+        if self._amx_prefill(q, kv_cache):  # every prefill chunk in one call, straight from the blocks
+            self.kernels.paged_prefill_attention(q.contiguous(), kv_cache[0], kv_cache[1], meta.block_tables,
+                                                 meta.seq_lens, meta.query_start, meta.prefill_seqs, scale, out)
+            return out
         for i in meta.prefill_seqs:
             start, end = meta.query_start[i], meta.query_start[i + 1]
             out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], kv_cache, meta, i, scale)
         return out
+
+    def _amx_prefill(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """Whether the AMX prefill kernel serves this call: bf16 queries and cache on a CPU with AMX."""
+        if self.kernels is None or q.device.type != "cpu" or q.dtype != torch.bfloat16 or kv_cache.dtype != q.dtype:
+            return False
+        head_dim = q.shape[-1]
+        if head_dim not in self._prefill_ok:
+            self._prefill_ok[head_dim] = bool(self.kernels.paged_prefill_supported(head_dim))
+        return self._prefill_ok[head_dim]
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

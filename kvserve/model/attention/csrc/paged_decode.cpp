@@ -11,6 +11,7 @@
 // values, 16 tokens at a time, with an online softmax (running max and sum per query head); otherwise
 // a scalar two-pass fallback.
 #include "kernels.h"
+#include "simd.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -136,22 +137,7 @@ void decode_one(const T* q, const Rows& k_rows, const Rows& v_rows, const int64_
 #if defined(__AVX512F__)
 constexpr int kChunk = 16;  // tokens handled together: one zmm holds their scores
 constexpr int kAhead = 1;   // chunks between the prefetch of a row and its use
-
-// 2^x for x <= 0, ~2e-7 relative error: 2^x = 2^n * 2^f, n = round(x), |f| <= 1/2, 2^f by its
-// degree-6 Taylor polynomial. x is clamped at -200 first, so -inf gives 0 rather than NaN.
-inline __m512 exp2_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-200.f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5403530e-4f);                   // ln2^6 / 6!
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));   // ln2^5 / 5!
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));   // ln2^4 / 4!
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));   // ln2^3 / 3!
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));   // ln2^2 / 2!
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));   // ln2
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+using simd::exp2_ps;
 
 // Lane t of the result = the sum of v[t]'s 16 lanes (v is clobbered). A transposing add tree:
 // 15 adds and 31 shuffles for all 16 tokens, instead of one slow horizontal reduction per token.

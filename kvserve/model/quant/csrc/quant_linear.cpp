@@ -17,6 +17,7 @@
 // tiles (below). Many rows (prefill) or other dtypes: dequantize a tile of W into x's dtype and hand
 // it to at::mm (oneDNN), so the dequantization is amortised over every row of x.
 #include "kernels.h"
+#include "simd.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -648,46 +649,10 @@ at::Tensor tiled_any(const QuantWeight& w, const at::Tensor& x, int64_t tile_byt
 // W is the A operand: 16 rows x 32 inputs, dequantized in registers and stored row-major (no copy of
 // W beyond one 16-channel strip, no per-call weight reordering, which dominates at::mm for few rows).
 // x^T is the B operand (VNNI pairs), built once per call: x is small.
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define KVSERVE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-
-bool amx_ready() {  // Linux hands out the AMX register state only on request (once per process)
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void configure_tiles() {  // tiles 0-3: C (16 x 16 fp32); 4: A (16 rows x 32 bf16); 5-7: B (16 pairs x 16 x 2)
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  _tile_loadconfig(&cfg);
-}
-
-// 16 x 16 transpose of 32-bit elements: r[i] holds row i, afterwards r[j] holds column j.
-void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  for (int i = 0; i < 16; i += 4) {  // r[i + c], lane L = rows i..i+3 at column 4L + c
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {  // 4 x 4 transpose of 128-bit lanes across r[c], r[4 + c], r[8 + c], r[12 + c]
-    const __m512i x0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
-    const __m512i y0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44), y1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
-    t[c] = _mm512_shuffle_i32x4(x0, y0, 0x88), t[4 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
-    t[8 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88), t[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = t[i];
-}
+#if defined(KVSERVE_AMX)
+using simd::amx_ready;
+using simd::configure_tiles;
+using simd::transpose16;
 
 // x^T as B tiles: tile (block b of 16 rows, chunk c of 32 inputs), row r = inputs 2r, 2r + 1 of each row.
 std::vector<uint16_t> x_tiles(const at::Tensor& xp) {

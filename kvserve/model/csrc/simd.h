@@ -1,0 +1,78 @@
+// SIMD and AMX helpers shared by the kernels (quant_linear.cpp, paged_decode.cpp, paged_prefill.cpp).
+#pragma once
+#include <cstdint>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define KVSERVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace simd {
+
+#if defined(__AVX512F__)
+// 2^x for x <= 0, ~2e-7 relative error: 2^x = 2^n * 2^f, n = round(x), |f| <= 1/2, 2^f by its
+// degree-6 Taylor polynomial. x is clamped at -200 first, so -inf gives 0 rather than NaN.
+inline __m512 exp2_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-200.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5403530e-4f);                   // ln2^6 / 6!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));   // ln2^5 / 5!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));   // ln2^4 / 4!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));   // ln2^3 / 3!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));   // ln2^2 / 2!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));   // ln2
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 16 x 16 transpose of 32-bit elements: r[i] holds row i, afterwards r[j] holds column j.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  for (int i = 0; i < 16; i += 4) {  // r[i + c], lane L = rows i..i+3 at column 4L + c
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // 4 x 4 transpose of 128-bit lanes across r[c], r[4 + c], r[8 + c], r[12 + c]
+    const __m512i x0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+    const __m512i y0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44), y1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+    t[c] = _mm512_shuffle_i32x4(x0, y0, 0x88), t[4 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    t[8 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88), t[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+#endif
+
+#if defined(KVSERVE_AMX)
+inline bool amx_ready() {  // Linux hands out the AMX register state only on request (once per process)
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows x 64 bytes: a C tile of 16 x 16 float32, an A tile of 16 rows x 32 bf16, or a
+// B tile of 16 VNNI rows (pairs of bf16) x 16 columns. Per thread, before its first tile op.
+// The config is a static, built once: GCC does not treat ldtilecfg as reading its operand, and
+// scheduled it ahead of a stack copy's initialisation when inlined (a #GP on reserved bytes).
+inline void configure_tiles() {
+  static const TileConfig cfg = [] {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+    return c;
+  }();
+  _tile_loadconfig(&cfg);
+}
+#endif
+
+}  // namespace simd
