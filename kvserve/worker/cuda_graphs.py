@@ -98,7 +98,8 @@ def capture_decode_graphs(forward: Forward, max_batch: int, max_model_len: int, 
                           device: torch.device) -> DecodeGraphs | None:
     """DecodeGraphs for ``device``, or None (with a warning) if capture fails: decode then runs eagerly."""
     try:
-        return DecodeGraphs(forward, max_batch, -(-max_model_len // block_size), block_size, device)
+        with torch.inference_mode():  # as the steps that replay them run: buffers and outputs are inference tensors
+            return DecodeGraphs(forward, max_batch, -(-max_model_len // block_size), block_size, device)
     except Exception as e:  # an op that syncs or allocates on the host cannot be captured
         log.warning("CUDA graph capture failed (%s); decode steps run eagerly", e)
         return None
