@@ -50,6 +50,10 @@ class DecodeGraphs:
         self.query_start = torch.arange(max_batch + 1, **long)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self._capture(forward, device)
+
+    def _capture(self, forward: Forward, device: torch.device) -> None:
+        """Record each bucket's step into ``self.graphs`` with its output buffer in ``self.outputs``."""
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first: the smaller ones reuse its pool memory
             meta = self._metadata(size)
@@ -63,6 +67,9 @@ class DecodeGraphs:
                 self.outputs[size] = forward(self.input_ids[:size], self.positions[:size], meta)
             self.graphs[size] = graph
         torch.cuda.synchronize(device)
+
+    def _replay(self, size: int) -> None:
+        self.graphs[size].replay()
 
     def _metadata(self, size: int) -> AttentionMetadata:
         rows = list(range(size))
@@ -90,7 +97,7 @@ class DecodeGraphs:
         if size > batch:  # padding rows: store nothing, attend to nothing
             self.slots[batch:size].fill_(-1)
             self.seq_lens[batch:size].zero_()
-        self.graphs[size].replay()
+        self._replay(size)
         return self.outputs[size][:batch]
 
 

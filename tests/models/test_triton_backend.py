@@ -13,6 +13,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from tests.conftest import TINY_VOCAB, assert_no_leak
+from kvserve.worker.cuda_graphs import DecodeGraphs
 from tests.models.reference import check_greedy_matches, load_hf
 
 pytest.importorskip("triton")
@@ -64,3 +65,31 @@ def test_triton_backend_needs_cuda_or_interpreter(tiny_llama, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         LLM(model=str(tiny_llama), attention_backend="triton", num_kv_blocks=16)
+
+
+class _ReplayedOnCPU(DecodeGraphs):
+    """DecodeGraphs whose 'graph' is the recorded step re-run on the static buffers (no CUDA here):
+    the buckets, padding rows and buffer filling are the code under test."""
+
+    def _capture(self, forward, device) -> None:
+        self.forward = forward
+        self.replayed: list[int] = []
+
+    def _replay(self, size: int) -> None:
+        self.replayed.append(size)
+        self.outputs[size] = self.forward(self.input_ids[:size], self.positions[:size], self._metadata(size))
+
+
+@pytest.mark.skipif(_DEVICE == "cuda", reason="on a GPU the real CUDA graphs run in the tests above")
+def test_decode_graph_buffers_give_the_eager_tokens(tiny_qwen2):
+    """Batches of 1-7 decodes in buckets of 1, 2, 4, 8: padded rows (slot -1, length 0) change nothing."""
+    prompts = _prompts(7, 3, 40, seed=9)
+    params = [SamplingParams(max_tokens=6 + 2 * i, temperature=0, ignore_eos=True) for i in range(len(prompts))]
+    kwargs = dict(model=str(tiny_qwen2), attention_backend="triton", num_kv_blocks=96, block_size=8)
+    expected = [o.token_ids for o in LLM(**kwargs).generate(prompts, params)]
+    llm = LLM(**kwargs)
+    runner = llm.engine.core.runner
+    runner.decode_graphs = graphs = _ReplayedOnCPU(runner._eager_forward, 8, 16, 8, torch.device("cpu"))
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert {1, 2, 4, 8} <= set(graphs.replayed)  # staggered lengths: the batch shrinks through every bucket
+    assert_no_leak(llm)
