@@ -134,10 +134,10 @@ def run_batched(llm, setup: Setup, batch_size: int, prompt_len: int, output_len:
 
 
 def run(args) -> int:
+    import torch
+
     from kvserve import LLM
     from kvserve.worker.threads import configure_threads
-
-    import torch
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     hardware = measure_machine(args.dtype, args.copy_mib, args.measure_seconds, device.split(":")[0])

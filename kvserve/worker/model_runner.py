@@ -16,8 +16,8 @@ from kvserve.model.models.llama_decode import build_fused_decoder
 from kvserve.sample.sampler import Sampler, SamplingBatch, scored_logprobs
 from kvserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from kvserve.spec_decode.verify import verify
-from kvserve.worker.cuda_graphs import capture_decode_graphs
 from kvserve.types import TokenLogprob
+from kvserve.worker.cuda_graphs import capture_decode_graphs
 
 
 @dataclass

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from tests.conftest import TINY_VOCAB, assert_no_leak
 from kvserve.worker.cuda_graphs import DecodeGraphs
+from tests.conftest import TINY_VOCAB, assert_no_leak
 from tests.models.reference import check_greedy_matches, load_hf
 
 pytest.importorskip("triton")

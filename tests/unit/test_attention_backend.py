@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvserve.model.attention.backend import AttentionMetadata
-from kvserve.model.cpu_kernels import load_kernels as load_cpu_kernels
 from kvserve.model.attention.torch_sdpa import TorchAttentionBackend
+from kvserve.model.cpu_kernels import load_kernels as load_cpu_kernels
 from tests.unit.attention_meta import mixed_metadata
 
 
