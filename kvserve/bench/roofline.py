@@ -133,6 +133,11 @@ def run_batched(llm, setup: Setup, batch_size: int, prompt_len: int, output_len:
     return Batched(batch_size, tokens / wall, flops / wall, bound, peak)
 
 
+def kv_blocks_for(batch_size: int, tokens_per_request: int, block_size: int = 16) -> int:
+    """KV blocks that hold ``batch_size`` requests of ``tokens_per_request`` at once (no preemption)."""
+    return batch_size * -(-tokens_per_request // block_size) + 1
+
+
 def run(args) -> int:
     import torch
 
@@ -145,9 +150,10 @@ def run(args) -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     # Dense weights in the dtype (GGUF blocks dequantized), as the planner prices them here; no prefix
     # caching, since the runs share prompts and every prefill FLOP is counted.
+    cache = {"kv_cache_memory_bytes": int(args.kv_cache_memory * 1024**3)} if args.kv_cache_memory else {
+        "num_kv_blocks": kv_blocks_for(max(batch_sizes), args.prompt_len + max(args.output_len, args.single_output_len))}
     llm = LLM(model=args.model, dtype=args.dtype, device=device, enforce_eager=args.enforce_eager,
-              max_num_seqs=max(batch_sizes), quantization="none", enable_prefix_caching=False,
-              kv_cache_memory_bytes=int(args.kv_cache_memory * 1024**3))
+              max_num_seqs=max(batch_sizes), quantization="none", enable_prefix_caching=False, **cache)
     setup = model_setup(llm.engine.core.model_path, hardware, args.dtype, llm.engine.core.kv_info.block_size)
     llm.generate(*_requests(llm, 1, 16, 4, args.seed), use_tqdm=False)  # warm-up: kernels, allocator
     single = run_single_stream(llm, setup, args.prompt_len, args.single_output_len, args.seed)
@@ -193,8 +199,9 @@ def add_parser(bench_sub) -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--single-output-len", type=int, default=256, help="output tokens of the single stream")
     p.add_argument("--output-len", type=int, default=128, help="output tokens per request of the batched runs")
-    p.add_argument("--batch-sizes", default="8,32,64", help="comma-separated concurrent requests to try")
-    p.add_argument("--kv-cache-memory", type=float, default=1.0, help="KV-cache budget in GiB")
+    p.add_argument("--batch-sizes", default="8,32,64,128,256", help="comma-separated concurrent requests to try")
+    p.add_argument("--kv-cache-memory", type=float, default=None,
+                   help="KV-cache budget in GiB (default: blocks for the largest batch at full length)")
     p.add_argument("--copy-mib", type=int, default=256, help="size of the bandwidth test's copy")
     p.add_argument("--measure-seconds", type=float, default=1.0, help="time per machine measurement")
     p.add_argument("--seed", type=int, default=0)
