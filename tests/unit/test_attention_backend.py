@@ -95,11 +95,13 @@ def test_kernel_fp8_decodes_every_value():
     torch.testing.assert_close(out[:, 0], expected, atol=0, rtol=1e-6)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
 @pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (8, 1, 64)])
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_amx_prefill_matches_sdpa(heads, kv_heads, dim, block_size):
+def test_amx_prefill_matches_sdpa(kv_cache_dtype, heads, kv_heads, dim, block_size):
     """A bf16 mixed step (decodes, fresh prompts, chunks after a cached prefix, a chunk longer than a
-    64-token task) through the AMX prefill kernel and through SDPA, each on its own cache copy."""
+    64-token task) through the AMX prefill kernel and through SDPA, each on its own cache copy; a
+    quantized cache is dequantized by both as the reference does."""
     kernels = load_cpu_kernels()
     if kernels is None or not kernels.paged_prefill_supported(dim):
         pytest.skip("no AMX prefill kernel on this machine")
@@ -110,8 +112,13 @@ def test_amx_prefill_matches_sdpa(heads, kv_heads, dim, block_size):
     total = meta.query_start[-1]
     q = torch.randn(total, heads, dim).bfloat16()
     k, v = torch.randn(total, kv_heads, dim).bfloat16(), torch.randn(total, kv_heads, dim).bfloat16()
-    cache = torch.randn(2, num_blocks, block_size, kv_heads, dim).bfloat16()
-    fast, ref = TorchAttentionBackend(), TorchAttentionBackend(use_kernels=False)
+    fast = TorchAttentionBackend(kv_cache_dtype=kv_cache_dtype)
+    ref = TorchAttentionBackend(use_kernels=False, kv_cache_dtype=kv_cache_dtype)
+    cache = fast.allocate_kv_cache(num_blocks, block_size, kv_heads, dim, torch.bfloat16, torch.device("cpu"))
+    flat = cache.view(2, num_blocks * block_size, kv_heads, -1)  # the "cached prefix": random rows
+    for i in range(2):
+        x = torch.randn(num_blocks * block_size, kv_heads, dim).bfloat16()
+        flat[i] = x if fast.kv_format is None else fast.kv_format.quantize(x)
     assert fast._amx_prefill(q, cache)
     out_fast = fast.forward(q, k, v, cache.clone(), meta, dim**-0.5)
     out_ref = ref.forward(q, k, v, cache.clone(), meta, dim**-0.5)

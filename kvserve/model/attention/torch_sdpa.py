@@ -5,7 +5,7 @@ the model dtype, or with ``kv_cache_dtype`` "int8" / "fp8" the packed uint8 rows
 (``head_dim`` one-byte values + a float16 scale per token and head).
 Decodes are batched into one SDPA call over their gathered blocks (or the C++ paged kernel, which
 reads quantized rows directly). Prefill chunks in bf16 on a CPU with AMX go to the C++ paged
-prefill kernel, all in one call; otherwise they run one sequence at a time through SDPA, reading
+prefill kernel, all in one call (it dequantizes int8 / fp8 rows as it packs them); otherwise they run one sequence at a time through SDPA, reading
 the cached prefix only when there is one (dequantizing the gathered blocks for a quantized cache).
 """
 
@@ -61,8 +61,9 @@ class TorchAttentionBackend:
             rows = meta.decode_token_index
             out[rows] = self._decode(q[rows], kv_cache, meta, scale)
         if self._amx_prefill(q, kv_cache):  # every prefill chunk in one call, straight from the blocks
+            kind = _KERNEL_KINDS[None if self.kv_format is None else self.kv_format.name]
             self.kernels.paged_prefill_attention(q.contiguous(), kv_cache[0], kv_cache[1], meta.block_tables,
-                                                 meta.seq_lens, meta.query_start, meta.prefill_seqs, scale, out)
+                                                 meta.seq_lens, meta.query_start, meta.prefill_seqs, scale, kind, out)
             return out
         for i in meta.prefill_seqs:
             start, end = meta.query_start[i], meta.query_start[i + 1]
@@ -70,8 +71,10 @@ class TorchAttentionBackend:
         return out
 
     def _amx_prefill(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        """Whether the AMX prefill kernel serves this call: bf16 queries and cache on a CPU with AMX."""
-        if self.kernels is None or q.device.type != "cpu" or q.dtype != torch.bfloat16 or kv_cache.dtype != q.dtype:
+        """Whether the AMX prefill kernel serves this call: bf16 queries, a bf16 or int8 / fp8 cache, AMX."""
+        if self.kernels is None or q.device.type != "cpu" or q.dtype != torch.bfloat16:
+            return False
+        if self.kv_format is None and kv_cache.dtype != q.dtype:
             return False
         head_dim = q.shape[-1]
         if head_dim not in self._prefill_ok:

@@ -68,7 +68,7 @@ bool paged_prefill_supported(int64_t head_dim);
 void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& block_tables, const std::vector<int64_t>& seq_lens,
                              const std::vector<int64_t>& query_start, const std::vector<int64_t>& seqs, double scale,
-                             at::Tensor& out);
+                             int64_t kv_kind, at::Tensor& out);
 // models/csrc/llama_decode.cpp: a whole decode step of the Llama-family decoder in one call.
 
 // One Linear as the eager model applies it (quant/methods.py), y = x W^T (+ bias).

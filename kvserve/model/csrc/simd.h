@@ -29,6 +29,20 @@ inline __m512 exp2_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// 16 int8 cache values as float32.
+inline __m512 int8x16_to_ps(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// 16 float8 e4m3 cache values as float32 times 2^-8: e4m3 (bias 7) -> float16 (bias 15) by moving the
+// exponent and mantissa bits into place, exact for normal and subnormal inputs alike.
+inline __m512 fp8x16_to_ps_div256(const uint8_t* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+  return _mm512_cvtph_ps(h);
+}
+
 // 16 x 16 transpose of 32-bit elements: r[i] holds row i, afterwards r[j] holds column j.
 inline void transpose16(__m512i r[16]) {
   __m512i t[16];

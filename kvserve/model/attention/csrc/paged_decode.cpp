@@ -162,14 +162,9 @@ enum class Kind { kDense, kInt8, kFp8 };
 template <Kind K, typename Elem>
 inline __m512 load16(const Elem* p) {
   if constexpr (K == Kind::kInt8) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    return simd::int8x16_to_ps(p);
   } else if constexpr (K == Kind::kFp8) {
-    // e4m3 (bias 7) -> float16 (bias 15) by moving the exponent and mantissa bits into place: the
-    // result is the value * 2^-8 for normal and subnormal inputs alike; the 256 goes into the scale.
-    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
-                                      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
-    return _mm512_cvtph_ps(h);
+    return simd::fp8x16_to_ps_div256(p);  // the 256 goes into the scale
   } else if constexpr (std::is_same_v<Elem, float>) {
     return _mm512_loadu_ps(p);
   } else if constexpr (std::is_same_v<Elem, c10::Half>) {

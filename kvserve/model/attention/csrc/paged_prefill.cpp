@@ -41,8 +41,38 @@ struct Scratch {
   float row_sum[16];
 };
 
-// Pack keys [0, key_end) of one kv head: element offset of token t's row = rows[t].
-void pack_kv(const uint16_t* k, const uint16_t* v, const std::vector<int64_t>& rows, int64_t key_end, int64_t D,
+// The cache's rows as bf16, whatever it stores: kind 0 bf16 values; 1 int8 and 2 fp8 e4m3 values,
+// each row followed by its float16 scale (kv_quant.py), dequantized and rounded to bf16 as the
+// reference path does. Offsets count elements: bf16 values, or bytes for the quantized kinds.
+struct CacheRows {
+  const uint8_t* base;
+  int64_t kind, D;
+  int64_t elem_bytes() const { return kind == 0 ? 2 : 1; }
+  int64_t row_elems() const { return kind == 0 ? D : D + 2; }
+  float scale(int64_t row) const {  // quantized kinds: the row's scale (fp8: times 256, see simd.h)
+    uint16_t bits;
+    std::memcpy(&bits, base + row + D, 2);
+    const float s = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
+    return kind == 2 ? s * 256.f : s;
+  }
+  __m512 deq16(int64_t row, int64_t d, float s) const {
+    const __m512 v = kind == 1 ? simd::int8x16_to_ps(base + row + d) : simd::fp8x16_to_ps_div256(base + row + d);
+    return _mm512_mul_ps(v, _mm512_set1_ps(s));
+  }
+  __m512i bf16x32(int64_t row, int64_t d) const {  // values d .. d + 31
+    if (kind == 0) return _mm512_loadu_si512(base + (row + d) * 2);
+    const float s = scale(row);
+    return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(deq16(row, d + 16, s), deq16(row, d, s)));
+  }
+  __m512i bf16x16_as_u32(int64_t row, int64_t d) const {  // values d .. d + 15, zero-extended to 32 bits
+    const __m256i v = kind == 0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + (row + d) * 2))
+                                : reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(deq16(row, d, scale(row))));
+    return _mm512_cvtepu16_epi32(v);
+  }
+};
+
+// Pack keys [0, key_end) of one kv head: token t's rows start at element rows[t] of k and v.
+void pack_kv(const CacheRows& k, const CacheRows& v, const std::vector<int64_t>& rows, int64_t key_end, int64_t D,
              Scratch& sc) {
   const int64_t kchunks = D / 32, vchunks = D / 16;
   const int64_t kblocks = (key_end + 15) / 16, vblocks = (key_end + 31) / 32;
@@ -53,7 +83,7 @@ void pack_kv(const uint16_t* k, const uint16_t* v, const std::vector<int64_t>& r
       __m512i r[16];
       for (int64_t i = 0; i < 16; ++i) {
         const int64_t t = b * 16 + i;
-        r[i] = t < key_end ? _mm512_loadu_si512(k + rows[t] + c * 32) : _mm512_setzero_si512();
+        r[i] = t < key_end ? k.bf16x32(rows[t], c * 32) : _mm512_setzero_si512();
       }
       simd::transpose16(r);  // row j: dims 2j, 2j + 1 of chunk c for each of the 16 keys
       uint32_t* dst = sc.kt.data() + (b * kchunks + c) * 256;
@@ -64,11 +94,8 @@ void pack_kv(const uint16_t* k, const uint16_t* v, const std::vector<int64_t>& r
       uint32_t* dst = sc.vt.data() + (b * vchunks + c) * 256;
       for (int64_t j = 0; j < 16; ++j) {  // row j: keys 2j, 2j + 1 (low, high half) for 16 dims
         const int64_t t0 = b * 32 + 2 * j, t1 = t0 + 1;
-        const __m512i lo = t0 < key_end ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                              reinterpret_cast<const __m256i*>(v + rows[t0] + c * 16)))
-                                        : _mm512_setzero_si512();
-        const __m512i hi = t1 < key_end ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                              reinterpret_cast<const __m256i*>(v + rows[t1] + c * 16))), 16)
+        const __m512i lo = t0 < key_end ? v.bf16x16_as_u32(rows[t0], c * 16) : _mm512_setzero_si512();
+        const __m512i hi = t1 < key_end ? _mm512_slli_epi32(v.bf16x16_as_u32(rows[t1], c * 16), 16)
                                         : _mm512_setzero_si512();
         _mm512_storeu_si512(dst + j * 16, _mm512_or_si512(lo, hi));
       }
@@ -94,14 +121,14 @@ float softmax_row(const float* s, int64_t visible, int64_t width, float scale2, 
   return _mm512_reduce_add_ps(sum);
 }
 
-void run_task(const Task& task, const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,
+void run_task(const Task& task, const uint16_t* q, const CacheRows& k, const CacheRows& v, uint16_t* out,
               const int64_t* table, int64_t seq_len, int64_t q_first, int64_t num_queries, int64_t num_heads,
               int64_t num_kv_heads, int64_t D, int64_t block_size, float scale, Scratch& sc, std::vector<int64_t>& rows) {
   const int64_t group = num_heads / num_kv_heads, context = seq_len - num_queries;
   const int64_t key_end = context + task.last;  // the task's last query sees up to here
   rows.resize(key_end);
   for (int64_t t = 0; t < key_end; ++t)
-    rows[t] = ((table[t / block_size] * block_size + t % block_size) * num_kv_heads + task.kv_head) * D;
+    rows[t] = ((table[t / block_size] * block_size + t % block_size) * num_kv_heads + task.kv_head) * k.row_elems();
   pack_kv(k, v, rows, key_end, D, sc);
   const int64_t width_max = (key_end + 31) / 32 * 32, kchunks = D / 32, vchunks = D / 16;
   sc.s.resize(16 * width_max);
@@ -168,19 +195,22 @@ bool paged_prefill_supported(int64_t head_dim) {
 }
 
 // q, out: [T, Hq, D] bf16 (the step's flat queries; rows of sequences not in `seqs` are left alone);
-// k_cache, v_cache: [num_blocks, block_size, Hkv, D] bf16; block_tables [S, W] (int64), seq_lens [S]
-// and query_start [S + 1] describe every sequence of the step; `seqs` lists the ones to compute.
+// k_cache, v_cache: [num_blocks, block_size, Hkv, D] bf16 (kv_kind 0), or uint8 [.., D + 2] rows for
+// int8 (1) / fp8 (2); block_tables [S, W] (int64), seq_lens [S] and query_start [S + 1] describe
+// every sequence of the step; `seqs` lists the ones to compute.
 void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& block_tables, const std::vector<int64_t>& seq_lens,
                              const std::vector<int64_t>& query_start, const std::vector<int64_t>& seqs, double scale,
-                             at::Tensor& out) {
+                             int64_t kv_kind, at::Tensor& out) {
   const int64_t num_heads = q.size(1), D = q.size(2), num_kv_heads = k_cache.size(2), block_size = k_cache.size(1);
   TORCH_CHECK(paged_prefill_supported(D), "paged_prefill_attention needs AMX and head_dim 64 or 128");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
-              "paged_prefill_attention takes bf16 queries and caches");
+  TORCH_CHECK(kv_kind >= 0 && kv_kind <= 2, "unknown KV cache kind ", kv_kind);
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "queries must be bf16");
+  TORCH_CHECK(k_cache.scalar_type() == (kv_kind == 0 ? at::kBFloat16 : at::kByte) && v_cache.scalar_type() == k_cache.scalar_type(),
+              "cache dtype does not match its kind (bf16, or uint8 rows for int8 / fp8)");
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "inputs must be contiguous");
-  TORCH_CHECK(num_heads % num_kv_heads == 0 && k_cache.size(3) == D, "head shapes do not match");
+  TORCH_CHECK(num_heads % num_kv_heads == 0 && k_cache.size(3) == (kv_kind == 0 ? D : D + 2), "head shapes do not match");
 #if defined(KVSERVE_AMX)
   const auto tables = block_tables.contiguous();
   const int64_t* bt = tables.data_ptr<int64_t>();
@@ -199,8 +229,8 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
         tasks.push_back({s, h, first, std::min(n, first + kTaskTokens)});
   }
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
-  const auto* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<c10::BFloat16>());
-  const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<c10::BFloat16>());
+  const CacheRows kp{static_cast<const uint8_t*>(k_cache.data_ptr()), kv_kind, D};
+  const CacheRows vp{static_cast<const uint8_t*>(v_cache.data_ptr()), kv_kind, D};
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
   parallel_for_dynamic(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     simd::configure_tiles();
@@ -214,6 +244,6 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
     _tile_release();
   });
 #else
-  (void)block_tables, (void)seq_lens, (void)query_start, (void)seqs, (void)scale;
+  (void)block_tables, (void)seq_lens, (void)query_start, (void)seqs, (void)scale, (void)kv_kind;
 #endif
 }
