@@ -21,9 +21,8 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 TINY_VOCAB = TINY_SHAPE["vocab_size"]
 
 
-def make_tiny_model(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
-    """Write a tiny random-weight HF checkpoint (config.json + safetensors + tokenizer) to ``path``."""
-    return write_random_model(path, arch, seed, **overrides)
+# make_tiny_model(path, arch, seed=0, **overrides): a tiny random-weight HF checkpoint written to ``path``.
+make_tiny_model = write_random_model
 
 
 @pytest.fixture(scope="session")

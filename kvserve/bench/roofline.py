@@ -133,7 +133,10 @@ def run_batched(llm, setup: Setup, batch_size: int, prompt_len: int, output_len:
     return Batched(batch_size, tokens / wall, flops / wall, bound, peak)
 
 
-def kv_blocks_for(batch_size: int, tokens_per_request: int, block_size: int = 16) -> int:
+_BLOCK_SIZE = 16
+
+
+def kv_blocks_for(batch_size: int, tokens_per_request: int, block_size: int = _BLOCK_SIZE) -> int:
     """KV blocks that hold ``batch_size`` requests of ``tokens_per_request`` at once (no preemption)."""
     return batch_size * -(-tokens_per_request // block_size) + 1
 
@@ -153,7 +156,8 @@ def run(args) -> int:
     cache = {"kv_cache_memory_bytes": int(args.kv_cache_memory * 1024**3)} if args.kv_cache_memory else {
         "num_kv_blocks": kv_blocks_for(max(batch_sizes), args.prompt_len + max(args.output_len, args.single_output_len))}
     llm = LLM(model=args.model, dtype=args.dtype, device=device, enforce_eager=args.enforce_eager,
-              max_num_seqs=max(batch_sizes), quantization="none", enable_prefix_caching=False, **cache)
+              max_num_seqs=max(batch_sizes), quantization="none", enable_prefix_caching=False,
+              block_size=_BLOCK_SIZE, **cache)
     setup = model_setup(llm.engine.core.model_path, hardware, args.dtype, llm.engine.core.kv_info.block_size)
     llm.generate(*_requests(llm, 1, 16, 4, args.seed), use_tqdm=False)  # warm-up: kernels, allocator
     single = run_single_stream(llm, setup, args.prompt_len, args.single_output_len, args.seed)

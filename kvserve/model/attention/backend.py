@@ -86,15 +86,15 @@ def get_backend(device: torch.device, kv_cache_dtype: str = "auto", name: str = 
     """
     from kvserve.model.attention import torch_sdpa  # noqa: F401  (registers "torch")
 
-    if name == "triton" or (name == "auto" and device.type == "cuda"):
-        if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 to interpret "
-                             "the kernels on the CPU, which only tests should do)")
+    use_triton = name == "triton" or (name == "auto" and device.type == "cuda")
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 to interpret "
+                         "the kernels on the CPU, which only tests should do)")
+    if use_triton:
         try:
             from kvserve.model.attention import triton_paged  # noqa: F401  (registers "cuda")
         except ImportError as e:
             if name == "triton":
                 raise ValueError(f"attention_backend='triton' needs the triton package: {e}") from e
-    if name == "triton" or (name == "auto" and device.type == "cuda" and "cuda" in _BACKENDS):
-        return _BACKENDS["cuda"](kv_cache_dtype=kv_cache_dtype)
-    return _BACKENDS["torch"](kv_cache_dtype=kv_cache_dtype)
+            use_triton = False  # "auto" on CUDA without triton: the PyTorch path
+    return _BACKENDS["cuda" if use_triton else "torch"](kv_cache_dtype=kv_cache_dtype)

@@ -18,7 +18,7 @@ from kvserve.model.attention.backend import AttentionMetadata, register_backend
 from kvserve.model.attention.kv_quant import kv_quant_format
 from kvserve.model.cpu_kernels import load_kernels
 
-_KERNEL_KINDS = {None: 0, "int8": 1, "fp8": 2}  # cache kinds of paged_decode.cpp
+_KERNEL_KINDS = {None: 0, "int8": 1, "fp8": 2}  # cache kinds of paged_decode.cpp and paged_prefill.cpp
 
 
 @register_backend("torch")
@@ -31,6 +31,7 @@ class TorchAttentionBackend:
     def __init__(self, use_kernels: bool = True, kv_cache_dtype: str = "auto") -> None:
         self.kernels = load_kernels() if use_kernels else None
         self.kv_format = kv_quant_format(kv_cache_dtype)
+        self.kernel_kind = _KERNEL_KINDS[None if self.kv_format is None else self.kv_format.name]
         self._prefill_ok: dict[int, bool] = {}  # head_dim -> the AMX prefill kernel serves it
 
     def allocate_kv_cache(
@@ -47,7 +48,7 @@ class TorchAttentionBackend:
         for this backend's caches, or None if the kernel does not serve ``device``."""
         if self.kernels is None or device.type != "cpu":
             return None
-        return _KERNEL_KINDS[None if self.kv_format is None else self.kv_format.name]
+        return self.kernel_kind
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
@@ -61,9 +62,9 @@ class TorchAttentionBackend:
             rows = meta.decode_token_index
             out[rows] = self._decode(q[rows], kv_cache, meta, scale)
         if self._amx_prefill(q, kv_cache):  # every prefill chunk in one call, straight from the blocks
-            kind = _KERNEL_KINDS[None if self.kv_format is None else self.kv_format.name]
             self.kernels.paged_prefill_attention(q.contiguous(), kv_cache[0], kv_cache[1], meta.block_tables,
-                                                 meta.seq_lens, meta.query_start, meta.prefill_seqs, scale, kind, out)
+                                                 meta.seq_lens, meta.query_start, meta.prefill_seqs, scale,
+                                                 self.kernel_kind, out)
             return out
         for i in meta.prefill_seqs:
             start, end = meta.query_start[i], meta.query_start[i + 1]
@@ -102,9 +103,8 @@ class TorchAttentionBackend:
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         tables, seq_lens = meta.decode_block_tables, meta.decode_seq_lens  # [B, nb], [B]
         if self.kernels is not None and q.device.type == "cpu":
-            kind = _KERNEL_KINDS[None if self.kv_format is None else self.kv_format.name]
             return self.kernels.paged_decode_attention(q.contiguous(), kv_cache[0], kv_cache[1], tables, seq_lens,
-                                                       scale, kind)
+                                                       scale, self.kernel_kind)
         keys = self._gather(kv_cache[0], tables, q.dtype).flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
         values = self._gather(kv_cache[1], tables, q.dtype).flatten(1, 2).transpose(1, 2)
         positions = torch.arange(keys.shape[2], device=q.device)
