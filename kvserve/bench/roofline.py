@@ -8,7 +8,8 @@ dequantized) over seeded token-id prompts, greedy, EOS ignored:
 * single-stream decode: one request; decode tokens/s (after the first token) against the
   memory bound ``bandwidth / bytes per decode step`` (all weights + that request's KV);
 * batched: ``--batch-sizes`` requests at once; output tokens/s, and the FLOP/s achieved (prefill
-  and decode FLOPs of the whole run over its wall time) against the matmul peak.
+  and decode FLOPs of the whole run over its wall time) against the matmul peak: the best rate of
+  a few matmul shapes (``planner.hardware``), since one square size can understate it by half.
 """
 
 from __future__ import annotations
