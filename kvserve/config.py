@@ -158,19 +158,32 @@ class QuantConfig:
             raise ValueError("quantization_group_size=-1 (one scale per output channel) is for quantization='int8'")
 
 
+SCHEDULING_POLICIES = ("fcfs", "shortest-first")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous batching limits: requests per step and tokens per step (the token budget)."""
+    """Continuous batching limits: requests per step and tokens per step (the token budget).
+
+    ``policy``: which waiting request is admitted next, within a priority. "fcfs": arrival order
+    (preferring a cached prefix among the next few). "shortest-first": the one with the fewest tokens
+    left to compute (prompt minus cached prefix), so a burst's short prompts get their first token
+    without queueing behind long ones; a request passed over by more than four steps' token budget
+    of admissions goes next, so long prompts wait a bounded time.
+    """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy={self.policy!r} must be one of {list(SCHEDULING_POLICIES)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 1")
 

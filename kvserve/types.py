@@ -171,6 +171,7 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
     arrival_seq: int = 0  # set by the scheduler: FCFS order, kept across preemption
     num_skips: int = 0  # times cache-aware admission let a later request go first
+    num_overtaken_tokens: int = 0  # shortest-first: tokens admitted for later arrivals while this one waited
     spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify in the next step
     spec_probs: Any = None  # draft distribution [k, V] of those proposals (None: point mass)
     spec_acceptance: float = 1.0  # moving average of the accepted share of proposals

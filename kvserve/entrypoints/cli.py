@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvserve.config import SCHEDULING_POLICIES
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine options shared by every command that loads a model (mirrors `LLM(...)`)."""
@@ -16,6 +18,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--scheduling-policy", choices=list(SCHEDULING_POLICIES), default="fcfs",
+                   help="admission order within a priority: arrival (fcfs), or fewest tokens to compute first "
+                        "(shortest-first: lower median time to first token under bursts, bounded wait for long prompts)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
@@ -43,7 +48,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory_bytes=int(args.kv_cache_memory * 1024**3), max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                seed=args.seed, device=args.device, attention_backend=args.attention_backend,
+                scheduling_policy=args.scheduling_policy, seed=args.seed, device=args.device, attention_backend=args.attention_backend,
                 enforce_eager=args.enforce_eager, enable_prefix_caching=not args.no_prefix_caching,
                 speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
                 speculative_model=args.speculative_model, speculative_ngram_min=args.speculative_ngram_min,

@@ -26,6 +26,7 @@ _OPTIONS = {
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "max_model_len": ("scheduler", "max_model_len"),
+    "scheduling_policy": ("scheduler", "policy"),
     "speculative_method": ("speculative", "method"),
     "num_speculative_tokens": ("speculative", "num_speculative_tokens"),
     "speculative_model": ("speculative", "model"),
@@ -61,7 +62,8 @@ class LLM:
     ``model`` is a Hugging Face folder, a .gguf file, or None for the bundled SmolLM2-135M-Instruct.
     Options (defaults in kvserve/config.py): block_size=16, num_kv_blocks=None (size the pool from
     kv_cache_memory_bytes=1 GiB), enable_prefix_caching=True, max_num_seqs=64,
-    max_num_batched_tokens=2048, max_model_len=None, speculative_method=None ("ngram" | "draft"),
+    max_num_batched_tokens=2048, max_model_len=None, scheduling_policy="fcfs" ("shortest-first"),
+    speculative_method=None ("ngram" | "draft"),
     num_speculative_tokens=4, speculative_model, speculative_ngram_min=1, speculative_ngram_max=4,
     speculative_max_batch_size=8, quantization=None (keep a GGUF file's block quantization; "none",
     "int8", "int4"), quantization_group_size=None (32; -1 = one scale per output channel, int8 only),

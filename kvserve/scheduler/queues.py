@@ -56,3 +56,21 @@ class WaitingQueue:
             for r in cands[:cands.index(best)]:
                 r.num_skips += 1
         return best
+
+    def pick_least_work(self, work: Callable[[Request], int], window: int, max_overtaken: int) -> Request:
+        """The candidate with the least ``work`` (ties go to the earliest), unless one has been
+        overtaken by ``max_overtaken`` tokens or more: then the earliest such one."""
+        cands = self.candidates(window)
+        overdue = next((r for r in cands if r.num_overtaken_tokens >= max_overtaken), None)
+        if overdue is not None:
+            return overdue
+        return min(enumerate(cands), key=lambda ir: (work(ir[1]), ir[0]))[1]
+
+    def charge_overtaken(self, admitted: Request, num_tokens: int) -> None:
+        """``admitted`` (still queued) is about to compute ``num_tokens``: charge them to every request
+        of its priority that arrived before it and still waits."""
+        for r in self._items:
+            if r is admitted:
+                return
+            if r.priority == admitted.priority:
+                r.num_overtaken_tokens += num_tokens

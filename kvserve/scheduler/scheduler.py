@@ -21,6 +21,8 @@ from kvserve.types import FinishReason, Request, RequestStatus
 class Scheduler:
     CACHE_AWARE_WINDOW = 16  # waiting requests looked at when preferring cached prefixes
     MAX_SKIPS = 8  # a request passed over this often is admitted next regardless
+    SHORTEST_FIRST_WINDOW = 256  # waiting requests compared by "shortest-first"
+    MAX_OVERTAKEN_STEPS = 4  # shortest-first: token budgets of later arrivals a request lets go first
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
         self.config = config
@@ -120,6 +122,8 @@ class Scheduler:
             num_new = self._admit(request, leader, budget, out)
             if num_new == 0:
                 break
+            if self.config.policy == "shortest-first":
+                self.waiting.charge_overtaken(request, num_new)
             self.waiting.remove(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -145,10 +149,20 @@ class Scheduler:
         return bool(pending) and pending[0] in in_flight
 
     def _pick_waiting(self) -> Request:
+        if self.config.policy == "shortest-first":
+            return self.waiting.pick_least_work(self._work_left, self.SHORTEST_FIRST_WINDOW,
+                                                self.MAX_OVERTAKEN_STEPS * self.config.max_num_batched_tokens)
         if not self.kv_cache.enable_prefix_caching:
             return next(iter(self.waiting))
         return self.waiting.pick(lambda r: len(self.kv_cache.match_prefix(r)), self.CACHE_AWARE_WINDOW,
                                  self.MAX_SKIPS)
+
+    def _work_left(self, request: Request) -> int:
+        """Tokens a waiting request must compute before its next token: all of them (a preempted one's
+        output too) less its cached prefix. A fork follower reuses its sibling's prompt: one token."""
+        if request.fork_of is not None and not request.num_computed_tokens and not request.output_token_ids:
+            return 1
+        return request.num_tokens - len(self.kv_cache.match_prefix(request)) * self.kv_cache.block_size
 
     def _fork_leader(self, request: Request) -> Request | None:
         """The sibling to fork from, if it is still around; otherwise the request stands alone."""

@@ -86,3 +86,28 @@ def test_priority_runs_first(tiny_llama):
     while engine.has_unfinished():
         finished += [o.request_id for o in engine.step() if o.finished]
     assert finished == ["high", "low"]
+
+
+def test_shortest_first_changes_the_order_not_the_outputs(tiny_llama):
+    """A burst of mixed prompt lengths: shortest-first finishes the short ones first, and every
+    request's tokens are the ones FCFS gives."""
+    rng = random.Random(1)
+    lens = [40, 6, 30, 3, 18]
+    prompts = [[rng.randrange(3, TINY_VOCAB) for _ in range(n)] for n in lens]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    results = {}
+    for policy in ("fcfs", "shortest-first"):
+        llm = _llm(tiny_llama, True, max_num_batched_tokens=8, scheduling_policy=policy)
+        for i, p in enumerate(prompts):
+            llm.engine.add_request(f"r{i}", p, params)
+        first_token_order, tokens = [], {}
+        while llm.engine.has_unfinished():
+            for o in llm.engine.step():
+                if o.outputs[0].token_ids and o.request_id not in first_token_order:
+                    first_token_order.append(o.request_id)
+                tokens[o.request_id] = list(o.outputs[0].token_ids)
+        results[policy] = (first_token_order, tokens)
+        assert_no_leak(llm)
+    assert results["fcfs"][0][0] == "r0"
+    assert results["shortest-first"][0][:2] == ["r3", "r1"]
+    assert results["shortest-first"][1] == results["fcfs"][1]
