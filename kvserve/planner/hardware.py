@@ -126,8 +126,8 @@ def _matmul_flops(torch, device: str, dtype, seconds: float) -> float:
         a = torch.randn(m, k, device=device).to(dtype)
         b = torch.randn(k, n, device=device).to(dtype)
         out = torch.empty(m, n, device=device, dtype=dtype)
-        rate = _best_rate(2 * m * k * n, lambda: torch.mm(a, b, out=out), _sync(torch, device), seconds / len(shapes))
-        best = max(best, rate)
+        product = lambda a=a, b=b, out=out: torch.mm(a, b, out=out)
+        best = max(best, _best_rate(2 * m * k * n, product, _sync(torch, device), seconds / len(shapes)))
     return best
 
 

@@ -1,9 +1,9 @@
-"""The waiting queue: ordered by (priority, arrival), with a bounded look-ahead for cache-aware picks."""
+"""The waiting queue: ordered by (priority, arrival); picks that look past the head (cache-aware, shortest-first)."""
 
 from __future__ import annotations
 
 import bisect
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from kvserve.types import Request
 
