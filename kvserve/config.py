@@ -38,7 +38,7 @@ class RopeConfig:
     original_max_position: int = 8192
 
     @staticmethod
-    def from_hf(cfg: dict[str, Any]) -> "RopeConfig":
+    def from_hf(cfg: dict[str, Any]) -> RopeConfig:
         params = dict(cfg.get("rope_parameters") or {})
         scaling = cfg.get("rope_scaling") or {}
         params = {**scaling, **params}
@@ -77,7 +77,7 @@ class ModelConfig:
     sliding_window: int | None = None
 
     @staticmethod
-    def from_hf(cfg: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs:
             raise ValueError("config.json has no 'architectures' entry; cannot pick a model class")
