@@ -77,3 +77,14 @@ def test_priority_still_comes_before_length():
 def test_unknown_policy_is_rejected():
     with pytest.raises(ValueError, match="scheduling_policy"):
         SchedulerConfig(policy="lifo")
+
+
+def test_cli_flag_reaches_the_scheduler_config():
+    from kvserve.entrypoints.cli import build_parser, engine_kwargs
+    from kvserve.entrypoints.llm import engine_config
+
+    args = build_parser().parse_args(["serve", "--scheduling-policy", "shortest-first"])
+    assert engine_config(**engine_kwargs(args)).scheduler.policy == "shortest-first"
+    assert engine_config(scheduling_policy="fcfs").scheduler.policy == "fcfs"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--scheduling-policy", "lifo"])
