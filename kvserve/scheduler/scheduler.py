@@ -14,20 +14,17 @@ import itertools
 from kvserve.config import SchedulerConfig
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.scheduler.output import ScheduledRequest, SchedulerOutput
+from kvserve.scheduler.policies import make_policy
 from kvserve.scheduler.queues import WaitingQueue, order_key
 from kvserve.types import FinishReason, Request, RequestStatus
 
 
 class Scheduler:
-    CACHE_AWARE_WINDOW = 16  # waiting requests looked at when preferring cached prefixes
-    MAX_SKIPS = 8  # a request passed over this often is admitted next regardless
-    SHORTEST_FIRST_WINDOW = 256  # waiting requests compared by "shortest-first"
-    MAX_OVERTAKEN_STEPS = 4  # shortest-first: token budgets of later arrivals a request lets go first
-
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.waiting = WaitingQueue()
+        self.policy = make_policy(config.policy, kv_cache, config.max_num_batched_tokens)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -113,7 +110,7 @@ class Scheduler:
         deferred = []
         in_flight = self._in_flight_blocks()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self._pick_waiting()
+            request = self.policy.pick(self.waiting, self._work_left)
             leader = self._fork_leader(request)
             if (leader is not None and not self._can_fork_from(leader, request)) or self._waits_for(request, in_flight):
                 self.waiting.remove(request)
@@ -122,8 +119,7 @@ class Scheduler:
             num_new = self._admit(request, leader, budget, out)
             if num_new == 0:
                 break
-            if self.config.policy == "shortest-first":
-                self.waiting.charge_overtaken(request, num_new)
+            self.policy.admitted(self.waiting, request, num_new)
             self.waiting.remove(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -148,19 +144,10 @@ class Scheduler:
         pending = self.kv_cache.uncached_keys(request, len(self.kv_cache.match_prefix(request)))
         return bool(pending) and pending[0] in in_flight
 
-    def _pick_waiting(self) -> Request:
-        if self.config.policy == "shortest-first":
-            return self.waiting.pick_least_work(self._work_left, self.SHORTEST_FIRST_WINDOW,
-                                                self.MAX_OVERTAKEN_STEPS * self.config.max_num_batched_tokens)
-        if not self.kv_cache.enable_prefix_caching:
-            return next(iter(self.waiting))
-        return self.waiting.pick(lambda r: len(self.kv_cache.match_prefix(r)), self.CACHE_AWARE_WINDOW,
-                                 self.MAX_SKIPS)
-
     def _work_left(self, request: Request) -> int:
         """Tokens a waiting request must compute before its next token: all of them (a preempted one's
         output too) less its cached prefix. A fork follower reuses its sibling's prompt: one token."""
-        if request.fork_of is not None and not request.num_computed_tokens and not request.output_token_ids:
+        if self._fork_leader(request) is not None:
             return 1
         return request.num_tokens - len(self.kv_cache.match_prefix(request)) * self.kv_cache.block_size
 

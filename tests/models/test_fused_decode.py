@@ -89,4 +89,3 @@ def test_fused_decode_rejects_a_slot_outside_the_cache(tiny_llama):
     meta.slot_mapping[0] = 16 * 8
     with pytest.raises(RuntimeError, match="outside the KV cache"), torch.inference_mode():
         runner.fused_decoder(ids, pos, meta)
-
