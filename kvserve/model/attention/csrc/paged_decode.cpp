@@ -176,10 +176,11 @@ inline __m512 load16(const Elem* p) {
 
 // Per-thread scratch, sized once per call for up to `heads` query heads.
 struct Scratch {
-  std::vector<float> q, kf, vf, acc, l;  // [heads, D] query, [kv heads, 16, D] keys and values as float32,
-                                         // [heads, D] weighted sums of values, [heads, 16] sums of weights
-  std::vector<float> pv, alpha, m;       // this chunk's [heads, 16] value weights, [heads] rescale
-                                         // factors, [heads] running maxima
+  simd::aligned_vector<float> q, kf, vf, acc, l;  // [heads, D] query, [kv heads, 16, D] keys and values as
+                                                  // float32, [heads, D] weighted sums of values, [heads, 16]
+                                                  // sums of weights
+  simd::aligned_vector<float> pv, alpha, m;       // this chunk's [heads, 16] value weights, [heads] rescale
+                                                  // factors, [heads] running maxima
   std::vector<int64_t> rows;             // [seq_len] element offsets of the first head's rows
   Scratch(int64_t heads, int64_t kv_heads, int64_t head_dim)
       : q(heads * head_dim), kf(kv_heads * kChunk * head_dim), vf(kv_heads * kChunk * head_dim),

@@ -33,9 +33,9 @@ struct Task {
 };
 
 struct Scratch {
-  std::vector<uint32_t> kt, vt;  // K^T and V as B tiles (16 x 16 32-bit pairs each)
-  std::vector<float> s;          // [16, keys] scores
-  std::vector<uint16_t> p;       // [16, keys rounded up to 32] bf16 weights
+  simd::aligned_vector<uint32_t> kt, vt;  // K^T and V as B tiles (16 x 16 32-bit pairs each)
+  simd::aligned_vector<float> s;          // [16, keys] scores
+  simd::aligned_vector<uint16_t> p;       // [16, keys rounded up to 32] bf16 weights
   alignas(64) uint16_t q[16 * 128];
   alignas(64) float o[16 * 64];
   float row_sum[16];

@@ -654,19 +654,21 @@ using simd::amx_ready;
 using simd::configure_tiles;
 using simd::transpose16;
 
-// x^T as B tiles: tile (block b of 16 rows, chunk c of 32 inputs), row r = inputs 2r, 2r + 1 of each row.
-std::vector<uint16_t> x_tiles(const at::Tensor& xp) {
-  const int64_t blocks = xp.size(0) / 16, k = xp.size(1);
-  const uint16_t* x = reinterpret_cast<const uint16_t*>(xp.data_ptr<c10::BFloat16>());
-  std::vector<uint16_t> out(blocks * (k / 32) * 512);
+// x^T as B tiles: tile (block b of 16 rows, chunk c of 32 inputs), row r = inputs 2r, 2r + 1 of each row;
+// rows past m are zero. Written into `out`, a buffer the calling thread keeps: allocating and zeroing
+// it per call (up to 200 KB, fresh pages each time) cost as much as the transposes.
+void x_tiles(const at::Tensor& x, simd::aligned_vector<uint16_t>& out) {
+  const int64_t m = x.size(0), blocks = (m + 15) / 16, k = x.size(1);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  if (out.size() < static_cast<size_t>(blocks * (k / 32) * 512)) out.resize(blocks * (k / 32) * 512);
   for (int64_t b = 0; b < blocks; ++b)
     for (int64_t c = 0; c < k / 32; ++c) {
       __m512i r[16];
-      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(x + (b * 16 + i) * k + c * 32);
+      for (int i = 0; i < 16; ++i)
+        r[i] = b * 16 + i < m ? _mm512_loadu_si512(xp + (b * 16 + i) * k + c * 32) : _mm512_setzero_si512();
       transpose16(r);
       for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out.data() + (b * (k / 32) + c) * 512 + i * 32, r[i]);
     }
-  return out;
 }
 
 // Rows n0 .. n0 + 15 of W as bf16 A tiles, one per chunk of 32 inputs (missing rows are zero).
@@ -735,19 +737,20 @@ void amx_block(const uint16_t* const ws[2], int64_t step, int64_t stride, int64_
 template <int BITS>
 at::Tensor amx_linear(const QuantWeight& w, const at::Tensor& x) {
   const int64_t m = x.size(0), m_pad = (m + 15) / 16 * 16, chunks = w.k / 32, strips = (w.n + 15) / 16;
-  const at::Tensor xp = m_pad == m ? x : at::cat({x, at::zeros({m_pad - m, w.k}, x.options())});
-  const std::vector<uint16_t> xt = x_tiles(xp);
+  thread_local simd::aligned_vector<uint16_t> x_buffer;  // this (calling) thread's; the workers get a pointer
+  x_tiles(x, x_buffer);
+  const uint16_t* xt = x_buffer.data();
   const std::vector<int32_t> group_of = half_chunk_groups(w);
   at::Tensor y = at::empty({m, w.n}, x.options());
   c10::BFloat16* yptr = y.data_ptr<c10::BFloat16>();
   parallel_for_dynamic(0, (strips + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     configure_tiles();
-    std::vector<uint16_t> wt(2 * chunks * 512);
+    thread_local simd::aligned_vector<uint16_t> wt;  // dequantized strips (not needed for whole dense strips)
     std::vector<float> params(2 * w.groups());
     alignas(64) float cbuf[4 * 256];
     for (int64_t pair = p0; pair < p1; ++pair) {
       const int64_t n0 = pair * 32, pair_strips = std::min<int64_t>(2, strips - 2 * pair);
-      const uint16_t* ws[2] = {wt.data(), wt.data() + chunks * 512};
+      const uint16_t* ws[2] = {nullptr, nullptr};
       int64_t step = 512, stride = 64, ahead_rows = 0;
       const char* ahead = nullptr;
       if (BITS == 16 && n0 + 32 <= w.n) {  // whole strips of a dense bf16 W: tiles straight from W
@@ -756,12 +759,14 @@ at::Tensor amx_linear(const QuantWeight& w, const at::Tensor& x) {
         ahead_rows = std::min<int64_t>(32, w.n - n0 - 32);
         ahead = ahead_rows > 0 ? reinterpret_cast<const char*>(base + (n0 + 32) * w.k) : nullptr;
       } else {
+        if (wt.size() < static_cast<size_t>(2 * chunks * 512)) wt.resize(2 * chunks * 512);
+        ws[0] = wt.data(), ws[1] = wt.data() + chunks * 512;
         for (int64_t s = 0; s < pair_strips; ++s)
           w_tiles<BITS>(w, n0 + 16 * s, group_of.data(), params.data(), wt.data() + s * chunks * 512);
       }
       for (int64_t m0 = 0; m0 < m_pad; m0 += 32) {
         const int64_t blocks = std::min<int64_t>(2, (m_pad - m0) / 16);
-        amx_block(ws, step, stride, pair_strips, xt.data() + (m0 / 16) * chunks * 512, blocks, chunks, cbuf,
+        amx_block(ws, step, stride, pair_strips, xt + (m0 / 16) * chunks * 512, blocks, chunks, cbuf,
                   m0 == 0 ? ahead : nullptr, ahead_rows);
         for (int64_t s = 0; s < pair_strips; ++s)
           for (int64_t b = 0; b < blocks; ++b)
