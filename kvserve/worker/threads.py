@@ -192,6 +192,13 @@ class ThreadSettings:
                                       available_cpus() if cpus is None else cpus, self.passive_wait)
         if choice.source == "request":
             self.explicit = choice
+        cores = available_cpus() if cpus is None else cpus
+        if choice.source == "default" and choice.num_threads < cores:
+            # Easy to hit by accident (`import torch` before `import kvserve`) and it halves a 2-core machine.
+            log.warning("kvserve: OpenMP's idle threads spin without bound here (torch was imported before "
+                        "kvserve, or %s / %s ask for it), so kvserve runs %d thread(s) on %d cores. Import "
+                        "kvserve first, or set %s to choose.", WAIT_POLICY, SPIN_COUNT, choice.num_threads,
+                        cores, ENV_VAR)
         _apply(choice.num_threads)
         # Only the default adapts: an explicit count is the user's to keep.
         self.governor = (ContentionGovernor(allowed_cpus(), choice.num_threads)

@@ -78,6 +78,17 @@ def test_without_a_request_each_start_reads_env_and_cores(applied):
     assert applied == [3, 2]
 
 
+def test_a_default_that_leaves_a_core_idle_says_why(applied, caplog):
+    with caplog.at_level("WARNING", logger="kvserve.worker.threads"):
+        ThreadSettings(passive_wait=False).configure(None, env={}, cpus=2)
+    assert "torch was imported before kvserve" in caplog.text and "1 thread(s) on 2 cores" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvserve.worker.threads"):
+        ThreadSettings(passive_wait=True).configure(None, env={}, cpus=2)
+        ThreadSettings(passive_wait=False).configure(None, env={ENV_VAR: "1"}, cpus=2)
+    assert caplog.text == ""
+
+
 def test_cli_flag_is_parsed():
     from kvserve.entrypoints.cli import build_parser
 
