@@ -7,9 +7,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels run without the GIL, as torch's own ops do: the server's event loop thread streams
   // tokens meanwhile instead of stalling the engine thread (up to the 5 ms switch interval) for it.
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
-  m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding into the residual in place (CPU)");
-  m.def("rotary_", &rotary_, "rotate-half rotary embedding of q and k in place (CPU)");
-  m.def("silu_mul", &silu_mul, "SiLU(gate) * up (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding into the residual in place (CPU)", no_gil);
+  m.def("rotary_", &rotary_, "rotate-half rotary embedding of q and k in place (CPU)", no_gil);
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up (CPU)", no_gil);
   m.def("argmax_rows", &argmax_rows, "index of each row's largest value, first on ties (CPU)", no_gil);
   m.def("quant_linear", &quant_linear, "weight-only int8/int4 linear (CPU)", no_gil);
   m.def("dequantize", &dequantize, "dequantize an int8/int4 weight (CPU)", no_gil);
