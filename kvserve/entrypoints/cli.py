@@ -20,7 +20,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--scheduling-policy", choices=list(SCHEDULING_POLICIES), default="fcfs",
                    help="admission order within a priority: arrival (fcfs), or fewest tokens to compute first "
-                        "(shortest-first: lower median time to first token under bursts, bounded wait for long prompts)")
+                        "(shortest-first: lower median time to first token under bursts, bounded wait for long "
+                        "prompts)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
@@ -49,7 +50,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_cache_memory_bytes=int(args.kv_cache_memory * 1024**3), max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 scheduling_policy=args.scheduling_policy, seed=args.seed, device=args.device,
-                attention_backend=args.attention_backend, enforce_eager=args.enforce_eager, enable_prefix_caching=not args.no_prefix_caching,
+                attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                enable_prefix_caching=not args.no_prefix_caching,
                 speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
                 speculative_model=args.speculative_model, speculative_ngram_min=args.speculative_ngram_min,
                 speculative_ngram_max=args.speculative_ngram_max,

@@ -185,14 +185,13 @@ class ThreadSettings:
 
     def configure(self, requested: int | None = None, env: Mapping[str, str] | None = None,
                   cpus: int | None = None) -> ThreadChoice:
+        cores = available_cpus() if cpus is None else cpus
         if requested is None and self.explicit is not None:
             choice = self.explicit
         else:
-            choice = pick_num_threads(requested, os.environ if env is None else env,
-                                      available_cpus() if cpus is None else cpus, self.passive_wait)
+            choice = pick_num_threads(requested, os.environ if env is None else env, cores, self.passive_wait)
         if choice.source == "request":
             self.explicit = choice
-        cores = available_cpus() if cpus is None else cpus
         if choice.source == "default" and choice.num_threads < cores:
             # Easy to hit by accident (`import torch` before `import kvserve`) and it halves a 2-core machine.
             log.warning("kvserve: OpenMP's idle threads spin without bound here (torch was imported before "
