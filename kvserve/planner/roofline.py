@@ -112,3 +112,11 @@ def prefill(setup: Setup, prompt_tokens: int) -> Roofline:
     nbytes = weight_bytes_read(setup, t) + t * kv_bytes_per_token_of(setup)
     return _roofline(setup, flops, nbytes)
 
+
+
+def prefill_batch(setup: Setup, users: int, prompt_tokens: int) -> Roofline:
+    """Prefill of ``users`` prompts of ``prompt_tokens`` together: their FLOPs, the weights read once."""
+    one = prefill(setup, prompt_tokens)
+    tokens = users * max(prompt_tokens, 1)
+    nbytes = weight_bytes_read(setup, tokens) + tokens * kv_bytes_per_token_of(setup)
+    return _roofline(setup, users * one.flops, nbytes)

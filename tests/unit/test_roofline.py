@@ -23,6 +23,7 @@ from kvserve.bench.roofline import (
     flops_per_token,
     memory_bound_tokens_per_s,
     request_flops,
+    run_roofline_seconds,
 )
 from kvserve.planner.capacity import Setup
 from kvserve.planner.hardware import Hardware
@@ -79,5 +80,20 @@ def test_fractions():
     single = SingleStream(128, 256, 18.0, 2.7e8, 36.0)
     assert single.fraction == pytest.approx(0.5)
     assert single.effective_bandwidth == pytest.approx(18.0 * 2.7e8)
-    assert Batched(32, 300.0, 0.5e12, 1000.0, 2e12).flops_fraction == pytest.approx(0.25)
+    assert Batched(32, 300.0, 0.5e12, 1000.0, 2e12, 0.5).flops_fraction == pytest.approx(0.25)
 
+
+
+def test_run_roofline_is_batched_prefill_then_decode_steps(setup):
+    # 64 prompts of 128 prefilled together: 64 x 27.8 GFLOP at 2 TFLOP/s = 0.890 s (compute bound:
+    # the weights once plus 8192 tokens of KV is 458 MB, 45.8 ms at 10 GB/s)
+    prefill = 64 * 27_806_367_744 / 2e12
+    # two decode steps of 64 users at context 129 and 130, each memory bound (weights + their KV)
+    decodes = sum((WEIGHT_BYTES + 64 * blocks * 16 * KV_PER_TOKEN) / 10e9 for blocks in (9, 9))
+    assert run_roofline_seconds(setup, 64, 128, 3) == pytest.approx(prefill + decodes)
+
+
+def test_the_ceiling_is_the_runs_flops_over_its_roofline_time():
+    b = Batched(256, 1000.0, 0.6e12, 4000.0, 2e12, ceiling_fraction=0.4)
+    assert b.flops_fraction == pytest.approx(0.3)
+    assert b.of_ceiling == pytest.approx(0.75)  # 30% of the peak where at most 40% was possible
