@@ -102,3 +102,74 @@ def _wait(predicate, timeout: float = 60.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.02)
+
+
+class _RecordingEngine:
+    """Just enough of an LLMEngine for ``_handle_commands``: it records the requests it is given."""
+
+    def __init__(self) -> None:
+        self.added: list[str] = []
+
+    def add_request(self, request_id, prompt_token_ids, params) -> None:
+        self.added.append(request_id)
+
+
+def _add(request_id: str) -> tuple:
+    return ("add", request_id, [5], GREEDY, 0.0)
+
+
+def test_an_idle_engine_takes_in_the_rest_of_a_burst_before_stepping(monkeypatch):
+    import threading
+    import time
+
+    import kvserve.frontend.client as client_module
+
+    # Generous windows, so that a slow CI machine cannot make the test flaky.
+    monkeypatch.setattr(client_module, "BURST_QUIET_S", 0.5)
+    monkeypatch.setattr(client_module, "BURST_MAX_WAIT_S", 5.0)
+    client = AsyncEngineClient(_config("unused"))
+    monkeypatch.setattr(client, "_publish", lambda engine, outputs=None: None)
+    engine = _RecordingEngine()
+    client._commands.put(_add("first"))
+    late = threading.Timer(0.05, lambda: client._commands.put(_add("second")))
+    late.start()
+    assert client._handle_commands(engine, block=True)
+    assert engine.added == ["first", "second"]  # the second came 50 ms later, inside the quiet window
+
+    # Busy (not blocking): only what is queued already; nothing is waited for.
+    client._commands.put(_add("third"))
+    start = time.perf_counter()
+    assert client._handle_commands(engine, block=False)
+    assert engine.added[-1] == "third" and time.perf_counter() - start < 0.4
+
+
+def test_the_burst_wait_is_capped(monkeypatch):
+    import threading
+    import time
+
+    import kvserve.frontend.client as client_module
+
+    monkeypatch.setattr(client_module, "BURST_QUIET_S", 1.0)
+    monkeypatch.setattr(client_module, "BURST_MAX_WAIT_S", 0.2)
+    client = AsyncEngineClient(_config("unused"))
+    monkeypatch.setattr(client, "_publish", lambda engine, outputs=None: None)
+    engine = _RecordingEngine()
+    stop = threading.Event()
+
+    def trickle():  # a request every 20 ms, never a quiet second (for 3 s, so a broken cap cannot hang)
+        i = 0
+        while not stop.wait(0.02) and i < 150:
+            client._commands.put(_add(f"t{i}"))
+            i += 1
+
+    client._commands.put(_add("first"))
+    feeder = threading.Thread(target=trickle)
+    feeder.start()
+    start = time.perf_counter()
+    try:
+        assert client._handle_commands(engine, block=True)
+    finally:
+        stop.set()
+        feeder.join()
+    assert 0.15 < time.perf_counter() - start < 1.0  # stepped after the cap, not after a quiet second
+    assert len(engine.added) > 1

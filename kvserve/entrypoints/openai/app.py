@@ -50,7 +50,7 @@ def _state(request: Request) -> ServerState:
     return request.app.state.kvserve
 
 
-def _check_api_key(request: Request) -> None:
+async def _check_api_key(request: Request) -> None:
     key = _state(request).api_key
     if key is None:
         return
