@@ -5,5 +5,5 @@ from kvserve.worker import threads as _threads  # noqa: F401, I001
 from kvserve.entrypoints.llm import LLM
 from kvserve.types import RequestOutput, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

@@ -165,17 +165,17 @@ SCHEDULING_POLICIES = ("fcfs", "shortest-first")
 class SchedulerConfig:
     """Continuous batching limits: requests per step and tokens per step (the token budget).
 
-    ``policy``: which waiting request is admitted next, within a priority. "fcfs": arrival order
-    (preferring a cached prefix among the next few). "shortest-first": the one with the fewest tokens
-    left to compute (prompt minus cached prefix), so a burst's short prompts get their first token
-    without queueing behind long ones; a request passed over by more than four steps' token budget
-    of admissions goes next, so long prompts wait a bounded time.
+    ``policy``: which waiting request is admitted next, within a priority. "shortest-first" (the
+    default): the one with the fewest tokens left to compute (prompt minus cached prefix), so a
+    burst's short prompts get their first token without queueing behind long ones; a request passed
+    over by more than four steps' token budget of admissions goes next, so long prompts wait a
+    bounded time. "fcfs": arrival order (preferring a cached prefix among the next few).
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
-    policy: str = "fcfs"
+    policy: str = "shortest-first"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -136,7 +136,7 @@ async def send(http: aiohttp.ClientSession, req: BenchRequest, target: Target) -
                     last = now
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError, UnicodeDecodeError) as e:
         result.error = f"{type(e).__name__}: {e}"
         return result
     result.e2e = time.perf_counter() - start

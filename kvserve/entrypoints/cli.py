@@ -18,10 +18,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--scheduling-policy", choices=list(SCHEDULING_POLICIES), default="fcfs",
-                   help="admission order within a priority: arrival (fcfs), or fewest tokens to compute first "
-                        "(shortest-first: lower median time to first token under bursts, bounded wait for long "
-                        "prompts)")
+    p.add_argument("--scheduling-policy", choices=list(SCHEDULING_POLICIES), default="shortest-first",
+                   help="admission order within a priority: fewest tokens to compute first (shortest-first, the "
+                        "default: lower time to first token under bursts, bounded wait for long prompts), or "
+                        "arrival order (fcfs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",

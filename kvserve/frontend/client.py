@@ -232,7 +232,7 @@ class AsyncEngineClient:
                 if engine.has_unfinished():
                     outputs = engine.step()
                     self._publish(engine, outputs)
-        except BaseException as e:  # noqa: BLE001 - any failure must turn health red, not vanish
+        except BaseException as e:  # any failure must turn health red, not vanish
             logger.exception("engine loop died")
             self.error = e
             self._to_loop(self._deliver_error, None, EngineDeadError(f"the engine loop died: {e!r}"))

@@ -35,7 +35,7 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self._ids.extend(token_ids)
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)  # noqa: E731
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
         prefix = decode(self._ids[self._prefix_offset:self._read_offset])
         full = decode(self._ids[self._prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):

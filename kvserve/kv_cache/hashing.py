@@ -7,8 +7,8 @@ collision can never hand a request the wrong KV; the chain makes each key cover 
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Hashable
 
 
 @dataclass(frozen=True)

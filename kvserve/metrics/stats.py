@@ -35,7 +35,7 @@ class EngineSnapshot:
     spec_emitted_tokens: int = 0  # tokens those request-steps produced
 
     @staticmethod
-    def of(core) -> "EngineSnapshot":
+    def of(core) -> EngineSnapshot:
         """Read the gauges and counters off an EngineCore (on the engine thread)."""
         kv, spec = core.kv_cache, core.spec.stats if core.spec is not None else None
         return EngineSnapshot(

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -12,8 +13,8 @@ from kvserve.config import ModelConfig
 from kvserve.model import gguf_file
 from kvserve.model.default_model import verified_default_model_path
 from kvserve.model.quant.plan import assign_quant_methods
-from kvserve.model.weight_arena import pack_linear_weights
 from kvserve.model.registry import model_class
+from kvserve.model.weight_arena import pack_linear_weights
 
 
 def resolve_model_path(model: str | Path | None) -> Path:

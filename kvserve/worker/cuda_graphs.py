@@ -17,7 +17,7 @@ Only backends whose decode launches depend on nothing but device buffers can be 
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

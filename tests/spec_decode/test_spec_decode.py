@@ -126,7 +126,7 @@ def test_sampling_distribution_unchanged(peaky, method):
     # The prompt starts with [its last token + the model's own greedy continuation of it], so after a
     # likely first sample the n-gram lookup finds a guess that is often, but not always, accepted.
     plain_llm = _llm(target, max_num_seqs=512, num_kv_blocks=4096)
-    greedy = lambda p, n=4: plain_llm.generate(  # noqa: E731
+    greedy = lambda p, n=4: plain_llm.generate(
         [p], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0].token_ids
     body = [7, 8, 9, 10, 11, 12] + greedy([7, 8, 9, 10, 11, 12], 20)
     likely = greedy(body)

@@ -280,8 +280,8 @@ def test_kv_quant_round_trip(name, rel):
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_kernel_reads_quantized_cache(kv_dtype, dtype):
-    from kvserve.model.cpu_kernels import load_kernels as load_cpu_kernels
     from kvserve.model.attention.torch_sdpa import TorchAttentionBackend
+    from kvserve.model.cpu_kernels import load_kernels as load_cpu_kernels
     from tests.unit.test_attention_backend import _decode_meta
 
     if load_cpu_kernels() is None:

@@ -6,7 +6,7 @@ fills every weight through ``load_checkpoint``, routing shards of fused layers b
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 

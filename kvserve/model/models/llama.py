@@ -8,7 +8,7 @@ Q/K/V and gate/up projections are fused into one matmul each.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

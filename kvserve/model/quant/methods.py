@@ -13,7 +13,6 @@ the weight is dequantized per call and multiplied with torch (correct, not fast)
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 

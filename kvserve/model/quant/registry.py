@@ -9,7 +9,8 @@ qkv/gate_up projections), and applies the weight to activations. Models never se
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Callable, Union
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Union
 
 import torch
 
@@ -52,7 +53,7 @@ class QuantMethod(ABC):
     def kernel_spec(self, layer: Linear, kernels):
         """How the C++ fused decoder applies this layer: a ``kernels.LinearSpec`` making the same
         calls as ``apply`` on the CPU, or None if it cannot (the eager model then runs every step)."""
-        return None
+        return
 
     def describe(self) -> str:
         return self.name
