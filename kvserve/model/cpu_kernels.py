@@ -22,6 +22,7 @@ _SOURCES = [
     _MODEL / "csrc" / "module.cpp",
     _MODEL / "layers" / "csrc" / "elementwise.cpp",
     _MODEL / "quant" / "csrc" / "quant_linear.cpp",
+    _MODEL / "attention" / "csrc" / "kv_write.cpp",
     _MODEL / "attention" / "csrc" / "paged_decode.cpp",
     _MODEL / "attention" / "csrc" / "paged_prefill.cpp",
     _MODEL / "models" / "csrc" / "llama_decode.cpp",

@@ -113,7 +113,6 @@ def prefill(setup: Setup, prompt_tokens: int) -> Roofline:
     return _roofline(setup, flops, nbytes)
 
 
-
 def prefill_batch(setup: Setup, users: int, prompt_tokens: int) -> Roofline:
     """Prefill of ``users`` prompts of ``prompt_tokens`` together: their FLOPs, the weights read once."""
     one = prefill(setup, prompt_tokens)

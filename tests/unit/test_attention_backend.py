@@ -125,3 +125,47 @@ def test_amx_prefill_matches_sdpa(kv_cache_dtype, heads, kv_heads, dim, block_si
     # bf16 outputs and bf16 attention weights (as SDPA rounds them too): a step or two apart
     torch.testing.assert_close(out_fast.float(), out_ref.float(), atol=2e-2, rtol=2e-2)
     assert (out_fast.float() - out_ref.float()).abs().mean() < 2e-3
+
+
+def _fused_views(tokens: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype):
+    """q, k, v as the model makes them: views into one fused qkv output, rows strided."""
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+    q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
+    return q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_writes_the_cache_as_index_copy_does(dtype):
+    if load_cpu_kernels() is None:
+        pytest.skip("C++ kernels could not be built on this machine")
+    torch.manual_seed(0)
+    num_blocks, bs, kv_heads, dim = 12, 4, 3, 16
+    fast, ref = TorchAttentionBackend(), TorchAttentionBackend(use_kernels=False)
+    cache = torch.randn(2, num_blocks, bs, kv_heads, dim).to(dtype)
+    _, k, v = _fused_views(7, 9, kv_heads, dim, dtype)
+    assert not k.is_contiguous()
+    meta = _decode_meta([1] * 7, bs, num_blocks)
+    meta.slot_mapping = torch.tensor([5, 0, 47, 12, 13, 30, 2])
+    got, want = cache.clone(), cache.clone()
+    fast._write(k, v, got, meta)
+    ref._write(k, v, want, meta)
+    assert torch.equal(got, want)
+    meta.slot_mapping = torch.tensor([5, 0, 48, 12, 13, 30, 2])  # 48 = num_blocks * bs: one past the end
+    with pytest.raises(RuntimeError, match="outside the KV cache"):
+        fast._write(k, v, got, meta)
+
+
+def test_amx_prefill_reads_strided_queries():
+    """The prefill kernel takes q as the view into the qkv output it is, with the same result as a copy."""
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.paged_prefill_supported(64):
+        pytest.skip("no AMX prefill kernel on this machine")
+    torch.manual_seed(0)
+    meta = mixed_metadata([(0, 37), (33, 70), (0, 1)], 16, 40)
+    q, k, v = _fused_views(meta.query_start[-1], 9, 3, 64, torch.bfloat16)
+    backend = TorchAttentionBackend()
+    cache = backend.allocate_kv_cache(40, 16, 3, 64, torch.bfloat16, torch.device("cpu"))
+    cache.copy_(torch.randn_like(cache, dtype=torch.float32).bfloat16())
+    strided = backend.forward(q, k, v, cache.clone(), meta, 0.125)
+    copied = backend.forward(q.contiguous(), k, v, cache.clone(), meta, 0.125)
+    assert torch.equal(strided, copied)

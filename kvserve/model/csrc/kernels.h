@@ -63,6 +63,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                                   int64_t kind);
 
+// attention/csrc/kv_write.cpp: k, v [T, Hkv, D] (heads contiguous, any token stride) into their slots.
+void write_kv_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& cache, const at::Tensor& slots,
+                    int64_t kv_kind);
+
 // attention/csrc/paged_prefill.cpp
 bool paged_prefill_supported(int64_t head_dim);
 void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -100,8 +104,6 @@ class LlamaDecoder {
                      const at::Tensor& block_tables, const at::Tensor& seq_lens) const;
 
  private:
-  void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& cache, const at::Tensor& slots) const;
-
   std::vector<LayerSpec> layers_;
   at::Tensor final_norm_, cos_, sin_;
   std::vector<at::Tensor> kv_caches_;

@@ -16,6 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_linear", &dense_linear, "x W^T for a dense bf16 weight and a few rows of x (CPU)", no_gil);
   m.def("has_amx", &has_amx, "AMX tiles usable in this process");
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", no_gil);
+  m.def("write_kv_cache", &write_kv_cache, "store a step's k, v at their slots of the paged KV cache (CPU)", no_gil);
   m.def("paged_prefill_supported", &paged_prefill_supported, "AMX prefill attention available for this head_dim");
   m.def("paged_prefill_attention", &paged_prefill_attention, "paged causal prefill attention, AMX bf16 (CPU)",
         no_gil);

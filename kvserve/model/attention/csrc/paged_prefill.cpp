@@ -121,7 +121,7 @@ float softmax_row(const float* s, int64_t visible, int64_t width, float scale2, 
   return _mm512_reduce_add_ps(sum);
 }
 
-void run_task(const Task& task, const uint16_t* q, const CacheRows& k, const CacheRows& v, uint16_t* out,
+void run_task(const Task& task, const uint16_t* q, int64_t q_row, const CacheRows& k, const CacheRows& v, uint16_t* out,
               const int64_t* table, int64_t seq_len, int64_t q_first, int64_t num_queries, int64_t num_heads,
               int64_t num_kv_heads, int64_t D, int64_t block_size, float scale, Scratch& sc, std::vector<int64_t>& rows) {
   const int64_t group = num_heads / num_kv_heads, context = seq_len - num_queries;
@@ -140,7 +140,7 @@ void run_task(const Task& task, const uint16_t* q, const CacheRows& k, const Cac
       const int64_t n = std::min<int64_t>(16, task.last - j0);
       for (int64_t r = 0; r < 16; ++r) {
         uint16_t* dst = sc.q + r * D;
-        if (r < n) std::memcpy(dst, q + ((q_first + j0 + r) * num_heads + h) * D, D * 2);
+        if (r < n) std::memcpy(dst, q + (q_first + j0 + r) * q_row + h * D, D * 2);
         else std::memset(dst, 0, D * 2);
       }
       const int64_t keys = context + j0 + n, width = (keys + 31) / 32 * 32;
@@ -194,7 +194,8 @@ bool paged_prefill_supported(int64_t head_dim) {
 #endif
 }
 
-// q, out: [T, Hq, D] bf16 (the step's flat queries; rows of sequences not in `seqs` are left alone);
+// q, out: [T, Hq, D] bf16: the step's flat queries (q may be a view into the qkv output, its rows
+// strided) and their outputs (rows of sequences not in `seqs` are left alone);
 // k_cache, v_cache: [num_blocks, block_size, Hkv, D] bf16 (kv_kind 0), or uint8 [.., D + 2] rows for
 // int8 (1) / fp8 (2); block_tables [S, W] (int64), seq_lens [S] and query_start [S + 1] describe
 // every sequence of the step; `seqs` lists the ones to compute.
@@ -208,8 +209,8 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "queries must be bf16");
   TORCH_CHECK(k_cache.scalar_type() == (kv_kind == 0 ? at::kBFloat16 : at::kByte) && v_cache.scalar_type() == k_cache.scalar_type(),
               "cache dtype does not match its kind (bf16, or uint8 rows for int8 / fp8)");
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "inputs must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D, "each query row's heads must be contiguous");
+  TORCH_CHECK(out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(num_heads % num_kv_heads == 0 && k_cache.size(3) == (kv_kind == 0 ? D : D + 2), "head shapes do not match");
 #if defined(KVSERVE_AMX)
   const auto tables = block_tables.contiguous();
@@ -238,7 +239,7 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
     std::vector<int64_t> rows;
     for (int64_t i = begin; i < end; ++i) {
       const Task& t = tasks[i];
-      run_task(t, qp, kp, vp, op, bt + t.seq * tables.size(1), sl[t.seq], qs[t.seq], qs[t.seq + 1] - qs[t.seq],
+      run_task(t, qp, q.stride(0), kp, vp, op, bt + t.seq * tables.size(1), sl[t.seq], qs[t.seq], qs[t.seq + 1] - qs[t.seq],
                num_heads, num_kv_heads, D, block_size, static_cast<float>(scale), sc, rows);
     }
     _tile_release();

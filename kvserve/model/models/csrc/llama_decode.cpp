@@ -10,8 +10,6 @@
 
 #include <ATen/ATen.h>
 
-#include <cstring>
-
 at::Tensor LinearSpec::apply(const at::Tensor& x) const {
   at::Tensor y;
   if (kind == kDense && x.size(0) <= max_kernel_rows) y = dense_linear(x, weight, max_fused_rows, max_amx_rows);
@@ -34,42 +32,6 @@ LlamaDecoder::LlamaDecoder(std::vector<LayerSpec> layers, at::Tensor final_norm,
                     cache.size(4) == head_dim_ + (kv_kind_ ? 2 : 0),
                 "KV caches must be contiguous [2, blocks, block_size, kv_heads, head_dim (+ 2 for a scale)]");
     halves_.emplace_back(cache[0], cache[1]);  // K and V, selected once, not per step
-  }
-}
-
-// Stores k, v [T, Hkv, D] at their slots of the flat cache, as TorchAttentionBackend._write does.
-void LlamaDecoder::write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& cache,
-                            const at::Tensor& slots) const {
-  const int64_t tokens = k.size(0), num_slots = cache.size(1) * cache.size(2);
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t)
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " is outside the KV cache (", num_slots, ")");
-  if (kv_kind_ == 0) {  // a row copy per token: k and v are views into the qkv output, rows of Hkv * D
-    TORCH_CHECK(k.scalar_type() == cache.scalar_type(), "the KV cache must be in the model dtype");
-    const int64_t row_bytes = num_kv_heads_ * head_dim_ * k.element_size();
-    TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == head_dim_ && v.stride(2) == 1 && v.stride(1) == head_dim_,
-                "each token's k and v heads must be contiguous");
-    auto* base = static_cast<char*>(cache.data_ptr());
-    const auto* k_base = static_cast<const char*>(k.data_ptr());
-    const auto* v_base = static_cast<const char*>(v.data_ptr());
-    const int64_t half_bytes = num_slots * row_bytes, k_step = k.stride(0) * k.element_size(),
-                  v_step = v.stride(0) * v.element_size();
-    for (int64_t t = 0; t < tokens; ++t) {
-      std::memcpy(base + slot[t] * row_bytes, k_base + t * k_step, row_bytes);
-      std::memcpy(base + half_bytes + slot[t] * row_bytes, v_base + t * v_step, row_bytes);
-    }
-    return;
-  }
-  // int8 / fp8 rows with a float16 scale each: the same tensor ops as KVQuantFormat.quantize.
-  const double max = kv_kind_ == 1 ? 127.0 : 448.0;
-  const at::Tensor flat = cache.view({2, num_slots, num_kv_heads_, head_dim_ + 2});
-  for (int64_t half = 0; half < 2; ++half) {
-    const at::Tensor x32 = (half ? v : k).to(at::kFloat);
-    const at::Tensor scale = (x32.abs().amax({-1}, true) / max).clamp_min(std::ldexp(1.0, -24)).to(at::kHalf);
-    const at::Tensor scaled = x32 / scale.to(at::kFloat);
-    const at::Tensor values = kv_kind_ == 1 ? scaled.round().clamp(-127, 127).to(at::kChar).view(at::kByte)
-                                            : scaled.clamp(-448, 448).to(at::kFloat8_e4m3fn).view(at::kByte);
-    flat[half].index_copy_(0, slots, at::cat({values, scale.view(at::kByte)}, -1));
   }
 }
 
@@ -102,7 +64,7 @@ at::Tensor LlamaDecoder::forward(const at::Tensor& x, const at::Tensor& position
       k = rms_norm(k, c10::nullopt, *layer.k_norm, eps_);
     }
     rotary_(q, k, positions, cos_, sin_);
-    write_kv(k, v, kv_caches_[i], slot_mapping);
+    write_kv_cache(k, v, kv_caches_[i], slot_mapping, kv_kind_);
     const at::Tensor attn = paged_decode_attention(q.contiguous(), halves_[i].first, halves_[i].second, block_tables,
                                                    seq_lens, scale_, kv_kind_);
     normed = rms_norm(layer.o.apply(attn.view({tokens, q_width})), residual, layer.post_norm, eps_);
