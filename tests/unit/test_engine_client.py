@@ -118,18 +118,23 @@ def _add(request_id: str) -> tuple:
     return ("add", request_id, [5], GREEDY, 0.0)
 
 
+def _idle_client(monkeypatch, quiet_s: float, max_wait_s: float) -> tuple[AsyncEngineClient, _RecordingEngine]:
+    """A client (never started) whose command handling runs against a recording engine."""
+    import kvserve.frontend.client as client_module
+
+    monkeypatch.setattr(client_module, "BURST_QUIET_S", quiet_s)
+    monkeypatch.setattr(client_module, "BURST_MAX_WAIT_S", max_wait_s)
+    client = AsyncEngineClient(_config("unused"))
+    monkeypatch.setattr(client, "_publish", lambda engine, outputs=None: None)
+    return client, _RecordingEngine()
+
+
 def test_an_idle_engine_takes_in_the_rest_of_a_burst_before_stepping(monkeypatch):
     import threading
     import time
 
-    import kvserve.frontend.client as client_module
-
     # Generous windows, so that a slow CI machine cannot make the test flaky.
-    monkeypatch.setattr(client_module, "BURST_QUIET_S", 0.5)
-    monkeypatch.setattr(client_module, "BURST_MAX_WAIT_S", 5.0)
-    client = AsyncEngineClient(_config("unused"))
-    monkeypatch.setattr(client, "_publish", lambda engine, outputs=None: None)
-    engine = _RecordingEngine()
+    client, engine = _idle_client(monkeypatch, quiet_s=0.5, max_wait_s=5.0)
     client._commands.put(_add("first"))
     late = threading.Timer(0.05, lambda: client._commands.put(_add("second")))
     late.start()
@@ -147,13 +152,7 @@ def test_the_burst_wait_is_capped(monkeypatch):
     import threading
     import time
 
-    import kvserve.frontend.client as client_module
-
-    monkeypatch.setattr(client_module, "BURST_QUIET_S", 1.0)
-    monkeypatch.setattr(client_module, "BURST_MAX_WAIT_S", 0.2)
-    client = AsyncEngineClient(_config("unused"))
-    monkeypatch.setattr(client, "_publish", lambda engine, outputs=None: None)
-    engine = _RecordingEngine()
+    client, engine = _idle_client(monkeypatch, quiet_s=1.0, max_wait_s=0.2)
     stop = threading.Event()
 
     def trickle():  # a request every 20 ms, never a quiet second (for 3 s, so a broken cap cannot hang)
