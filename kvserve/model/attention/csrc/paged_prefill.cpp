@@ -121,9 +121,10 @@ float softmax_row(const float* s, int64_t visible, int64_t width, float scale2, 
   return _mm512_reduce_add_ps(sum);
 }
 
-void run_task(const Task& task, const uint16_t* q, int64_t q_row, const CacheRows& k, const CacheRows& v, uint16_t* out,
-              const int64_t* table, int64_t seq_len, int64_t q_first, int64_t num_queries, int64_t num_heads,
-              int64_t num_kv_heads, int64_t D, int64_t block_size, float scale, Scratch& sc, std::vector<int64_t>& rows) {
+void run_task(const Task& task, const uint16_t* q, int64_t q_row, const CacheRows& k, const CacheRows& v,
+              uint16_t* out, const int64_t* table, int64_t seq_len, int64_t q_first, int64_t num_queries,
+              int64_t num_heads, int64_t num_kv_heads, int64_t D, int64_t block_size, float scale, Scratch& sc,
+              std::vector<int64_t>& rows) {
   const int64_t group = num_heads / num_kv_heads, context = seq_len - num_queries;
   const int64_t key_end = context + task.last;  // the task's last query sees up to here
   rows.resize(key_end);
@@ -239,8 +240,8 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
     std::vector<int64_t> rows;
     for (int64_t i = begin; i < end; ++i) {
       const Task& t = tasks[i];
-      run_task(t, qp, q.stride(0), kp, vp, op, bt + t.seq * tables.size(1), sl[t.seq], qs[t.seq], qs[t.seq + 1] - qs[t.seq],
-               num_heads, num_kv_heads, D, block_size, static_cast<float>(scale), sc, rows);
+      run_task(t, qp, q.stride(0), kp, vp, op, bt + t.seq * tables.size(1), sl[t.seq], qs[t.seq],
+               qs[t.seq + 1] - qs[t.seq], num_heads, num_kv_heads, D, block_size, static_cast<float>(scale), sc, rows);
     }
     _tile_release();
   });
