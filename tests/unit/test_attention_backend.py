@@ -134,22 +134,36 @@ def _fused_views(tokens: int, heads: int, kv_heads: int, dim: int, dtype: torch.
     return q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_writes_the_cache_as_index_copy_does(dtype):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [16, 40])  # 40: the writer's scalar tail after 16-wide vectors
+def test_kernel_writes_the_cache_as_index_copy_does(kv_cache_dtype, dtype, dim):
+    """The C++ writer stores the same bytes as KVQuantFormat.quantize + index_copy_: every rounding
+    tie, zero row and scale alike (the fused decoder and the eager step share it)."""
     if load_cpu_kernels() is None:
         pytest.skip("C++ kernels could not be built on this machine")
     torch.manual_seed(0)
-    num_blocks, bs, kv_heads, dim = 12, 4, 3, 16
-    fast, ref = TorchAttentionBackend(), TorchAttentionBackend(use_kernels=False)
-    cache = torch.randn(2, num_blocks, bs, kv_heads, dim).to(dtype)
+    num_blocks, bs, kv_heads = 12, 4, 3
+    fast = TorchAttentionBackend(kv_cache_dtype=kv_cache_dtype)
+    ref = TorchAttentionBackend(use_kernels=False, kv_cache_dtype=kv_cache_dtype)
+    cache = fast.allocate_kv_cache(num_blocks, bs, kv_heads, dim, dtype, torch.device("cpu"))
+    if fast.kv_format is None:
+        cache.copy_(torch.randn(cache.shape).to(dtype))
     _, k, v = _fused_views(7, 9, kv_heads, dim, dtype)
+    with torch.no_grad():
+        k[0, 1] = 0  # an all-zero row: the smallest scale, zero values
+        v.mul_(torch.tensor([1e-3, 1.0, 300.0])[:, None])  # tiny, unit and large rows
+        if fast.kv_format is not None:  # a row whose scale is 1/16 exactly, and values on rounding ties
+            ties = {"int8": [127.0, 0.5, 1.5, 2.5, -0.5, -3.5, 60.5], "fp8": [448.0, 116.0, -116.0, 17.0, 9.5, -0.75]}
+            row = torch.tensor(ties[fast.kv_format.name])
+            k[1, 0] = torch.cat([torch.zeros(dim - len(row)), row]) / 16  # ties in the last values
     assert not k.is_contiguous()
     meta = _decode_meta([1] * 7, bs, num_blocks)
     meta.slot_mapping = torch.tensor([5, 0, 47, 12, 13, 30, 2])
     got, want = cache.clone(), cache.clone()
     fast._write(k, v, got, meta)
     ref._write(k, v, want, meta)
-    assert torch.equal(got, want)
+    assert torch.equal(got, want) and not torch.equal(got, cache)
     meta.slot_mapping = torch.tensor([5, 0, 48, 12, 13, 30, 2])  # 48 = num_blocks * bs: one past the end
     with pytest.raises(RuntimeError, match="outside the KV cache"):
         fast._write(k, v, got, meta)

@@ -54,7 +54,7 @@ class TorchAttentionBackend:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]. Writes k, v into the cache, returns [T, Hq, D]."""
-        k, v = self._write(k, v, kv_cache, meta)
+        self._write(k, v, kv_cache, meta)
         if not meta.prefill_seqs:  # a pure decode step (the common one): every row is a sequence's query
             return self._decode(q, kv_cache, meta, scale)
         out = torch.empty_like(q)
@@ -66,6 +66,7 @@ class TorchAttentionBackend:
                                                  meta.seq_lens, meta.query_start, meta.prefill_seqs, scale,
                                                  self.kernel_kind, out)
             return out
+        k, v = self._as_cached(k), self._as_cached(v)
         for i in meta.prefill_seqs:
             start, end = meta.query_start[i], meta.query_start[i + 1]
             out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], kv_cache, meta, i, scale)
@@ -82,23 +83,23 @@ class TorchAttentionBackend:
             self._prefill_ok[head_dim] = bool(self.kernels.paged_prefill_supported(head_dim))
         return self._prefill_ok[head_dim]
 
-    def _write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-               meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v at their slots; returns them as the cache now holds them (dequantized)."""
-        if self.kv_format is None and self.kernels is not None and k.device.type == "cpu":
-            # a row copy per token straight from the qkv output (index_copy_ ran at ~2 GB/s on these views)
+    def _write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Store k, v at their slots (quantized for an int8 / fp8 cache)."""
+        if self.kernels is not None and k.device.type == "cpu":
+            # a row per token straight from the qkv output (index_copy_ ran at ~2 GB/s on these views,
+            # and quantizing with tensor ops cost ~10 dispatched ops per call); the same bytes either way
             self.kernels.write_kv_cache(_heads_contiguous(k), _heads_contiguous(v), kv_cache, meta.slot_mapping,
                                         self.kernel_kind)
-            return k, v
+            return
         flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
-        if self.kv_format is None:
-            flat[0].index_copy_(0, meta.slot_mapping, k)
-            flat[1].index_copy_(0, meta.slot_mapping, v)
-            return k, v
-        packed_k, packed_v = self.kv_format.quantize(k), self.kv_format.quantize(v)
-        flat[0].index_copy_(0, meta.slot_mapping, packed_k)
-        flat[1].index_copy_(0, meta.slot_mapping, packed_v)
-        return self.kv_format.dequantize(packed_k, k.dtype), self.kv_format.dequantize(packed_v, v.dtype)
+        if self.kv_format is not None:
+            k, v = self.kv_format.quantize(k), self.kv_format.quantize(v)
+        flat[0].index_copy_(0, meta.slot_mapping, k)
+        flat[1].index_copy_(0, meta.slot_mapping, v)
+
+    def _as_cached(self, x: torch.Tensor) -> torch.Tensor:
+        """x as the cache holds it (after quantizing): what attention reads, for every chunk alike."""
+        return x if self.kv_format is None else self.kv_format.dequantize(self.kv_format.quantize(x), x.dtype)
 
     def _gather(self, cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Blocks ``table`` of one half (K or V) of the cache, dequantized: [*table.shape, bs, Hkv, D]."""

@@ -4,9 +4,92 @@
 #include "kernels.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// x / step for n values, as IEEE divisions: under -ffast-math the compiler may turn divisions by one
+// value into multiplications by its reciprocal, which round differently on ties (x / step = k + 0.5
+// exactly is common), so the divisor is laundered through an empty asm statement before each use.
+void divide(const float* x, float step, int64_t n, float* out) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  for (; d + 16 <= n; d += 16) {
+    __m512 s = _mm512_set1_ps(step);
+    __asm__("" : "+v"(s));
+    _mm512_storeu_ps(out + d, _mm512_div_ps(_mm512_loadu_ps(x + d), s));
+  }
+#endif
+  for (; d < n; ++d) {
+    float s = step;
+    __asm__("" : "+x"(s));
+    out[d] = x[d] / s;
+  }
+}
+
+// n values, `stride` apart, as float32.
+template <typename T>
+void to_float(const T* in, int64_t stride, int64_t n, float* out) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  if (stride == 1)
+    for (; d + 16 <= n; d += 16) {
+      if constexpr (std::is_same_v<T, float>) {
+        _mm512_storeu_ps(out + d, _mm512_loadu_ps(in + d));
+      } else if constexpr (std::is_same_v<T, c10::BFloat16>) {  // the high half of a float32
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + d));
+        _mm512_storeu_si512(out + d, _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      } else if constexpr (std::is_same_v<T, c10::Half>) {
+        _mm512_storeu_ps(out + d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + d))));
+      } else {
+        break;
+      }
+    }
+#endif
+  for (; d < n; ++d) out[d] = static_cast<float>(in[d * stride]);
+}
+
+// One row of n floats -> n int8 (kind 1) or e4m3 (kind 2) bytes and the float16 scale after them.
+void quantize_row(const float* x, float* q, int64_t n, float max, int64_t kind, uint8_t* row) {
+  float amax = 0.f;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 m = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+  amax = _mm512_reduce_max_ps(m);
+#endif
+  for (; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const c10::Half scale(std::max(amax / max, std::ldexp(1.f, -24)));
+  divide(x, static_cast<float>(scale), n, q);
+  int64_t d = 0;
+  if (kind == 1) {
+#if defined(__AVX512F__)
+    for (; d + 16 <= n; d += 16) {
+      const __m512 r = _mm512_roundscale_ps(_mm512_loadu_ps(q + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512 c = _mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(row + d), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(c)));
+    }
+#endif
+    for (; d < n; ++d)
+      row[d] = static_cast<uint8_t>(static_cast<int8_t>(std::clamp(std::nearbyint(q[d]), -127.f, 127.f)));
+  } else {
+    for (; d < n; ++d) row[d] = c10::Float8_e4m3fn(std::clamp(q[d], -448.f, 448.f)).x;
+  }
+  std::memcpy(row + n, &scale.x, 2);
+}
+
+}  // namespace
 
 void write_kv_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& cache, const at::Tensor& slots,
                     int64_t kv_kind) {
@@ -39,16 +122,27 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& 
     }
     return;
   }
-  // int8 / fp8 rows with a float16 scale each: the same tensor ops as KVQuantFormat.quantize.
+  // int8 / fp8 rows: D one-byte values and a float16 scale per (token, head), computed exactly as
+  // KVQuantFormat.quantize does (float32 max|x| / max, float16 scale, x / scale rounded half to even
+  // or converted to e4m3), so both write the same bytes; here a pass per row instead of ~10 tensor
+  // ops per call (3 ms of a 64-sequence decode step with 30 layers), 16 values at a time.
   TORCH_CHECK(cache.scalar_type() == at::kByte, "an int8 / fp8 KV cache holds uint8 rows");
-  const double max = kv_kind == 1 ? 127.0 : 448.0;
-  const at::Tensor flat = cache.view({2, num_slots, num_kv_heads, head_dim + 2});
-  for (int64_t half = 0; half < 2; ++half) {
-    const at::Tensor x32 = (half ? v : k).to(at::kFloat);
-    const at::Tensor scale = (x32.abs().amax({-1}, true) / max).clamp_min(std::ldexp(1.0, -24)).to(at::kHalf);
-    const at::Tensor scaled = x32 / scale.to(at::kFloat);
-    const at::Tensor values = kv_kind == 1 ? scaled.round().clamp(-127, 127).to(at::kChar).view(at::kByte)
-                                           : scaled.clamp(-448, 448).to(at::kFloat8_e4m3fn).view(at::kByte);
-    flat[half].index_copy_(0, slots, at::cat({values, scale.view(at::kByte)}, -1));
-  }
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "k and v must have one dtype");
+  const float max = kv_kind == 1 ? 127.f : 448.f;
+  const int64_t row_bytes = head_dim + 2, half_rows = num_slots * num_kv_heads;
+  auto* base = cache.data_ptr<uint8_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv_cache", [&] {
+    std::vector<float> x(head_dim), q(head_dim);
+    for (int64_t half = 0; half < 2; ++half) {
+      const at::Tensor& src = half ? v : k;
+      const auto* sp = src.data_ptr<scalar_t>();
+      for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          const scalar_t* in = sp + t * src.stride(0) + h * src.stride(1);
+          to_float(in, src.stride(2), head_dim, x.data());
+          uint8_t* row = base + ((half * half_rows) + slot[t] * num_kv_heads + h) * row_bytes;
+          quantize_row(x.data(), q.data(), head_dim, max, kv_kind, row);
+        }
+    }
+  });
 }
