@@ -110,12 +110,13 @@ def measure_machine(dtype: str, copy_mib: int, seconds: float, device: str = "cp
         torch.set_num_threads(before)
 
 
-def model_setup(model_path, hardware, dtype: str, block_size: int) -> Setup:
+def model_setup(model_path, hardware, dtype: str, block_size: int, kv_cache_dtype: str = "auto") -> Setup:
     from kvserve.planner.models import resolve_model
     from kvserve.planner.shape import ModelShape
 
     name, cfg = resolve_model(str(model_path))
-    return Setup(model=ModelShape.from_hf(cfg, name), hardware=hardware, dtype=dtype, block_size=block_size)
+    return Setup(model=ModelShape.from_hf(cfg, name), hardware=hardware, dtype=dtype, block_size=block_size,
+                 kv_cache_dtype=kv_cache_dtype)
 
 
 def _requests(llm, num: int, prompt_len: int, output_len: int, seed: int):
@@ -174,8 +175,9 @@ def run(args) -> int:
         "num_kv_blocks": kv_blocks_for(max(batch_sizes), args.prompt_len + max(args.output_len, args.single_output_len))}
     llm = LLM(model=args.model, dtype=args.dtype, device=device, enforce_eager=args.enforce_eager,
               max_num_seqs=max(batch_sizes), quantization="none", enable_prefix_caching=False,
-              block_size=_BLOCK_SIZE, **cache)
-    setup = model_setup(llm.engine.core.model_path, hardware, args.dtype, llm.engine.core.kv_info.block_size)
+              block_size=_BLOCK_SIZE, kv_cache_dtype=args.kv_cache_dtype, **cache)
+    setup = model_setup(llm.engine.core.model_path, hardware, args.dtype, llm.engine.core.kv_info.block_size,
+                        args.kv_cache_dtype)
     llm.generate(*_requests(llm, 1, 16, 4, args.seed), use_tqdm=False)  # warm-up: kernels, allocator
     single = run_single_stream(llm, setup, args.prompt_len, args.single_output_len, args.seed)
     batched = [run_batched(llm, setup, b, args.prompt_len, args.output_len, args.seed) for b in batch_sizes]
@@ -189,7 +191,8 @@ def report(setup: Setup, threads: int, single: SingleStream, batched: list[Batch
     if as_json:
         print(json.dumps({
             "machine": {"name": hw.name, "bandwidth": hw.bandwidth, "matmul_flops": hw.peak_flops(setup.dtype)},
-            "model": setup.model.name, "dtype": setup.dtype, "engine_threads": threads,
+            "model": setup.model.name, "dtype": setup.dtype, "kv_cache_dtype": setup.kv_cache_dtype,
+            "engine_threads": threads,
             "weight_bytes_per_step": weight_bytes_read(setup, 1), "flops_per_token": flops_per_token(setup, context),
             "single_stream": {**asdict(single), "fraction": single.fraction,
                               "effective_bandwidth": single.effective_bandwidth},
@@ -199,7 +202,8 @@ def report(setup: Setup, threads: int, single: SingleStream, batched: list[Batch
         return
     print(f"machine: {hw.name}: copy bandwidth {hw.bandwidth / 1e9:.1f} GB/s, "
           f"{setup.dtype} matmul {hw.peak_flops(setup.dtype) / 1e12:.2f} TFLOP/s; engine threads {threads}")
-    print(f"model: {setup.model.name} {setup.dtype}: {weight_bytes_read(setup, 1) / 1e6:.1f} MB of weights read per "
+    print(f"model: {setup.model.name} {setup.dtype} (KV cache {setup.kv_cache_dtype}): "
+          f"{weight_bytes_read(setup, 1) / 1e6:.1f} MB of weights read per "
           f"decode step, {flops_per_token(setup, context) / 1e6:.1f} MFLOP per token at context {context}")
     print(f"single-stream decode: {single.decode_tokens_per_s:.1f} tok/s; memory bound "
           f"{single.bound_tokens_per_s:.1f} tok/s ({single.bytes_per_step / 1e6:.1f} MB per step): "
@@ -226,6 +230,8 @@ def add_parser(bench_sub) -> None:
     p.add_argument("--batch-sizes", default="8,32,64,128,256", help="comma-separated concurrent requests to try")
     p.add_argument("--kv-cache-memory", type=float, default=None,
                    help="KV-cache budget in GiB (default: blocks for the largest batch at full length)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
+                   help="KV cache format of the runs and of the bound (int8 / fp8: one byte per value)")
     p.add_argument("--copy-mib", type=int, default=256, help="size of the bandwidth test's copy")
     p.add_argument("--measure-seconds", type=float, default=1.0, help="time per machine measurement")
     p.add_argument("--seed", type=int, default=0)
