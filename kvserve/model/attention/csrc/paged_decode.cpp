@@ -213,9 +213,10 @@ void decode_vec(const T* q, const Elem* k_base, const Elem* v_base, int64_t num_
 #endif
   // int8 cache, bf16 / float16 query: q.k in integers (vpdpwssd: int8 keys widened to int16 times the
   // query as int16, 32 products per instruction), the query quantized per head with a step of
-  // max|q| / 32767 (relative error ~1e-5, far below the int8 keys' own). Converting every key to
-  // float32 and back through scratch made this kernel 2x slower per token than the bf16 cache's,
-  // for half the bytes. float32 queries keep the float path (exact, for quality comparisons).
+  // max|q| / 32767 (relative error ~1e-5, far below the int8 keys' own). Each key converted to
+  // float32 through scratch first cost 2 loads, 2 conversions and a store per 16 values more:
+  // 30 layers of 32 sequences x 300 tokens took 9.1 ms that way, 8.1 ms this way (bf16: 10.5 ms).
+  // float32 queries keep the float path (exact, for quality comparisons).
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   constexpr bool int_types = K == Kind::kInt8 && !std::is_same_v<T, float>;
 #else
