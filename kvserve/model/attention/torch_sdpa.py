@@ -3,10 +3,13 @@
 KV cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V) in
 the model dtype, or with ``kv_cache_dtype`` "int8" / "fp8" the packed uint8 rows of kv_quant.py
 (``head_dim`` one-byte values + a float16 scale per token and head).
+On the CPU with the C++ kernels, a step's K/V are written (and quantized) by one call,
+``write_kv_cache``, which stores the same bytes as kv_quant.py.
 Decodes are batched into one SDPA call over their gathered blocks (or the C++ paged kernel, which
 reads quantized rows directly). Prefill chunks in bf16 on a CPU with AMX go to the C++ paged
-prefill kernel, all in one call (it dequantizes int8 / fp8 rows as it packs them); otherwise they run one sequence at a time through SDPA, reading
-the cached prefix only when there is one (dequantizing the gathered blocks for a quantized cache).
+prefill kernel, all in one call (it dequantizes int8 / fp8 rows as it packs them); otherwise they
+run one sequence at a time through SDPA, reading the cached prefix only when there is one
+(dequantizing the gathered blocks for a quantized cache).
 """
 
 from __future__ import annotations
