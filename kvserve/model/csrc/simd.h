@@ -1,9 +1,12 @@
-// SIMD and AMX helpers shared by the kernels (quant_linear.cpp, paged_decode.cpp, paged_prefill.cpp).
+// SIMD and AMX helpers shared by the kernels (elementwise, quant_linear, kv_write, paged_decode, paged_prefill).
 #pragma once
 #include <cstddef>
 #include <cstdint>
 #include <new>
 #include <vector>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -50,6 +53,13 @@ inline __m512 exp2_ps(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
+
+// 16 values as float32, whatever the dtype in memory (bf16: the high half of a float32).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
 // 16 int8 cache values as float32.
 inline __m512 int8x16_to_ps(const uint8_t* p) {

@@ -2,6 +2,7 @@
 // decoder alike: the cache is [2 (K, V), num_blocks, block_size, Hkv, D] in the model dtype (kind 0),
 // or uint8 rows of D values and a float16 scale for int8 (1) / fp8 e4m3 (2).
 #include "kernels.h"
+#include "simd.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -43,19 +44,9 @@ template <typename T>
 void to_float(const T* in, int64_t stride, int64_t n, float* out) {
   int64_t d = 0;
 #if defined(__AVX512F__)
-  if (stride == 1)
-    for (; d + 16 <= n; d += 16) {
-      if constexpr (std::is_same_v<T, float>) {
-        _mm512_storeu_ps(out + d, _mm512_loadu_ps(in + d));
-      } else if constexpr (std::is_same_v<T, c10::BFloat16>) {  // the high half of a float32
-        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + d));
-        _mm512_storeu_si512(out + d, _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-      } else if constexpr (std::is_same_v<T, c10::Half>) {
-        _mm512_storeu_ps(out + d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + d))));
-      } else {
-        break;
-      }
-    }
+  if constexpr (!std::is_same_v<T, double>)
+    if (stride == 1)
+      for (; d + 16 <= n; d += 16) _mm512_storeu_ps(out + d, simd::load16(in + d));
 #endif
   for (; d < n; ++d) out[d] = static_cast<float>(in[d * stride]);
 }

@@ -8,6 +8,7 @@
 // With AVX-512 the rows go 16 values at a time (a scalar loop handles the tail, and everything on
 // other CPUs): GCC did not vectorise the plain loops (prefill spent 1 ns per value in them).
 #include "kernels.h"
+#include "simd.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -77,12 +78,8 @@ inline float silu(float x) {
 }
 
 #if defined(__AVX512F__)
-// 16 values as float32, whatever the dtype in memory; store16 rounds to nearest even like store().
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+// load16: 16 values as float32 (simd.h); store16 rounds to nearest even like store().
+using simd::load16;
 
 inline __m512i bf16_bits(__m512 v) {  // float -> bf16 (round to nearest even) in the high halves
   const __m512i bits = _mm512_castps_si512(v);

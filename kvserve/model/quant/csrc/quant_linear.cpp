@@ -270,11 +270,7 @@ void block_lanes(const QuantWeight& w, BlockLanes* lanes, int64_t blocks) {
   }
 }
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-inline __m512 load16(const c10::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
+using simd::load16;
 
 // One row of x -> int8 blocks (zero past K) and xsum[g] = sum over group g of dx * q (zeroed here).
 template <typename T>
