@@ -53,10 +53,15 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
                         const c10::optional<at::Tensor>& zeros, const c10::optional<at::Tensor>& factors,
                         int64_t group, int64_t bits, int64_t max_fused_rows, int64_t max_amx_rows,
                         int64_t tile_bytes);
-at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, int64_t max_fused_rows, int64_t max_amx_rows);
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, int64_t max_fused_rows);
 at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
                       const c10::optional<at::Tensor>& factors, int64_t group, int64_t bits, at::ScalarType dtype);
 bool has_amx();
+
+// layers/csrc/packed_linear.cpp: dense bf16 W in the AMX tile layout [N / 16, K / 32, 16, 32].
+bool packed_linear_supported();
+at::Tensor pack_bf16_weight(const at::Tensor& weight);
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n);
 
 // attention/csrc/paged_decode.cpp
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -83,8 +88,9 @@ struct LinearSpec {
   c10::optional<at::Tensor> scales, zeros, factors, bias;
   int64_t group = 0, bits = 0;
   int64_t max_fused_rows = 0, max_amx_rows = 0;  // the kernels' dispatch thresholds (methods.py)
-  int64_t max_kernel_rows = 0;                   // kDense: beyond this many rows, at::linear
   int64_t tile_bytes = 0;                        // kQuant: the prefill tile size
+  c10::optional<at::Tensor> packed;              // kDense: the weight in the AMX tile layout, if any
+  int64_t max_packed_rows = 0;                   // kDense: up to this many rows, packed_linear
   at::Tensor apply(const at::Tensor& x) const;
 };
 

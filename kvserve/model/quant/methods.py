@@ -20,16 +20,19 @@ from kvserve.model.cpu_kernels import load_kernels
 from kvserve.model.quant import gguf_blocks, packing
 from kvserve.model.quant.registry import CheckpointTensor, QuantMethod, register_quant_method
 
-# Three CPU paths by rows of x (crossovers measured per layer on AVX512 + AMX, one thread):
-# up to _MAX_FUSED_ROWS the fused dequantize+dot kernel (reads each weight once); then, for bf16,
-# AMX tiles of W dequantized in registers (no per-call weight reorder, 1.3-1.9x at::mm on the dense
-# bf16 weight for 8-128 rows); beyond _MAX_AMX_ROWS (prefill) L2-sized dequantized tiles + at::mm.
+# Quantized W, three CPU paths by rows of x (crossovers measured per layer on AVX512 + AMX, one
+# thread): up to _MAX_FUSED_ROWS the fused dequantize+dot kernel (reads each weight once); then, for
+# bf16, AMX tiles of W dequantized in registers (no per-call weight reorder, 1.3-1.9x at::mm for
+# 8-128 rows); beyond _MAX_AMX_ROWS (prefill) L2-sized dequantized tiles + at::mm.
 _MAX_FUSED_ROWS = {torch.float32: 64, torch.bfloat16: 3, torch.float16: 4}
-_MAX_DENSE_FUSED_ROWS = 4  # dense bf16 W: the fused kernel up to here, then AMX tiles, then oneDNN
-# Dense bf16 beyond this many rows: oneDNN, which caught up with the AMX tile kernel at ~192 rows
-# (layer linears 60.2 vs 54.9 ms over 30 layers at 256 rows; the 49K-row head 20% faster).
-_MAX_DENSE_KERNEL_ROWS = 192
-_MAX_AMX_ROWS = 256  # bf16 x with more rows than the fused limit: AMX tiles straight from W up to here
+_MAX_AMX_ROWS = 256
+# Dense bf16 W on a CPU with AMX: a second copy of W in AMX tiles (layers/csrc/packed_linear.cpp) for
+# up to _MAX_PACKED_ROWS rows of x, oneDNN on W itself beyond. Over the default model's 30 layers
+# (2 threads, weights cold) the packed kernel took 17-18 ms at 64 rows (W as it is: 23-24 ms),
+# 42 at 256 (oneDNN 65), 110-137 at 1024 (145-157), but 220-330 at 2048 (oneDNN 190-215), hence
+# the limit, and the copy: prefill steps of 2048 tokens stay on oneDNN.
+_MAX_PACKED_ROWS = 1024
+_MAX_DENSE_FUSED_ROWS = 4  # dense bf16 W without the packed copy: the fused kernel up to here, then oneDNN
 _TILE_BYTES = 1 << 21  # a dequantized tile of W that stays in L2 while at::mm reads it
 _LOAD_CHUNK_VALUES = 1 << 18
 
@@ -59,20 +62,30 @@ class Dense(QuantMethod):
         layer.weight = torch.nn.Parameter(weight, requires_grad=False)
 
     def weight_names(self) -> tuple[str, ...]:
-        return ("weight",)
+        return ("weight", "weight_packed")
 
     def load(self, layer, tensor: CheckpointTensor, rows: tuple[int, int] | None) -> None:
         start, count = _dest_rows(layer, rows)
         dense = tensor if isinstance(tensor, torch.Tensor) else tensor.dequantize()
         layer.weight.data[start:start + count].copy_(dense)
 
+    def finish_loading(self, layer) -> None:
+        w = layer.weight
+        kernels = load_quant_kernels() if w.device.type == "cpu" and w.dtype == torch.bfloat16 else None
+        if kernels is not None and layer.in_features % 32 == 0 and kernels.packed_linear_supported():
+            layer.register_buffer("weight_packed", kernels.pack_bf16_weight(w.data.contiguous()))
+
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         w = layer._parameters["weight"]  # not layer.weight: nn.Module's attribute lookup costs µs per call
         if x.device.type == "cpu" and w.dtype == torch.bfloat16 and layer.in_features % 32 == 0:
             flat = x if x.dim() == 2 else x.reshape(-1, layer.in_features)
-            kernels = load_quant_kernels() if flat.shape[0] <= _MAX_DENSE_KERNEL_ROWS else None
-            if kernels is not None:  # 1.6-3.5x oneDNN at 1 row, 1.2-2x at 4; AMX tiles win at 32 too
-                y = kernels.dense_linear(flat.contiguous(), w, _MAX_DENSE_FUSED_ROWS, _MAX_AMX_ROWS)
+            packed = layer._buffers.get("weight_packed")
+            if packed is not None and flat.shape[0] <= _MAX_PACKED_ROWS:
+                y = load_quant_kernels().packed_linear(flat.contiguous(), packed, layer.out_features)
+                return y if x.dim() == 2 else y.reshape(*x.shape[:-1], layer.out_features)
+            kernels = load_quant_kernels() if flat.shape[0] <= _MAX_DENSE_FUSED_ROWS else None
+            if kernels is not None:  # 1.6-3.5x oneDNN at 1 row, 1.2-2x at 4
+                y = kernels.dense_linear(flat.contiguous(), w, _MAX_DENSE_FUSED_ROWS)
                 return y if x.dim() == 2 else y.reshape(*x.shape[:-1], layer.out_features)
         return F.linear(x, w)
 
@@ -81,7 +94,7 @@ class Dense(QuantMethod):
         bias = layer.bias
         if w.dtype == torch.bfloat16 and layer.in_features % 32 == 0:
             return kernels.LinearSpec(0, w, bias=bias, max_fused_rows=_MAX_DENSE_FUSED_ROWS,
-                                      max_amx_rows=_MAX_AMX_ROWS, max_kernel_rows=_MAX_DENSE_KERNEL_ROWS)
+                                      packed=layer._buffers.get("weight_packed"), max_packed_rows=_MAX_PACKED_ROWS)
         return kernels.LinearSpec(2, w, bias=bias)
 
     def embed(self, layer, ids: torch.Tensor) -> torch.Tensor:
@@ -206,7 +219,7 @@ class GroupQuant(QuantMethod):
     def kernel_spec(self, layer, kernels):
         return kernels.LinearSpec(1, layer.qweight, layer.scales, layer.zeros, layer.factors, layer.bias,
                                   self.layer_group(layer), self.bits, _MAX_FUSED_ROWS.get(layer.dtype, 8),
-                                  _MAX_AMX_ROWS, 0, _TILE_BYTES)
+                                  _MAX_AMX_ROWS, _TILE_BYTES)
 
     def dense(self, layer, dtype: torch.dtype) -> torch.Tensor:
         return packing.dequantize(layer.qweight, layer.scales, layer.zeros, self.bits, dtype, layer.factors)

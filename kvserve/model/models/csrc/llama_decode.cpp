@@ -12,7 +12,8 @@
 
 at::Tensor LinearSpec::apply(const at::Tensor& x) const {
   at::Tensor y;
-  if (kind == kDense && x.size(0) <= max_kernel_rows) y = dense_linear(x, weight, max_fused_rows, max_amx_rows);
+  if (kind == kDense && packed.has_value() && x.size(0) <= max_packed_rows) y = packed_linear(x, *packed, weight.size(0));
+  else if (kind == kDense && x.size(0) <= max_fused_rows) y = dense_linear(x, weight, max_fused_rows);
   else if (kind == kQuant) y = quant_linear(x, weight, *scales, zeros, factors, group, bits, max_fused_rows,
                                             max_amx_rows, tile_bytes);
   else y = at::linear(x, weight);

@@ -702,23 +702,19 @@ void store_ct(const float* c, int64_t rows, int64_t cols, c10::BFloat16* y, int6
 
 // Two 16-channel strips of W (A tiles 4, 5) against one or two blocks of 16 rows of x (B tiles 6, 7):
 // four independent accumulators C[2 * strip + block] (tiles 0-3), so the tile multiplies overlap.
-// Strip s's tile for chunk c starts at ws[s] + c * step (elements), its rows `stride` bytes apart:
-// either a dequantized copy (step 512, stride 64) or, for a dense bf16 W, W itself (step 32,
-// stride 2K), read by the tile load with no copy at all. No software prefetch of the next strips:
-// the hardware prefetchers do better alone. With a line of each of the next 32 rows prefetched per
-// chunk, a decode step at 16 sequences took 20.5 ms instead of 18.8, and the linears alone at 5-64
-// rows ran 5-12% slower.
-void amx_block(const uint16_t* const ws[2], int64_t step, int64_t stride, int64_t strips, const uint16_t* xt,
-               int64_t blocks, int64_t chunks, float* cbuf) {
+// Strip s's dequantized tile for chunk c is the 1 KB at ws[s] + c * 512. (A dense bf16 W has its own
+// kernel, layers/csrc/packed_linear.cpp, on a copy of W stored in tiles.)
+void amx_block(const uint16_t* const ws[2], int64_t strips, const uint16_t* xt, int64_t blocks, int64_t chunks,
+               float* cbuf) {
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
   const uint16_t* xt1 = xt + chunks * 512;
   for (int64_t c = 0; c < chunks; ++c) {
-    _tile_loadd(4, ws[0] + c * step, stride);
+    _tile_loadd(4, ws[0] + c * 512, 64);
     _tile_loadd(6, xt + c * 512, 64);
     _tile_dpbf16ps(0, 4, 6);
     if (blocks > 1) { _tile_loadd(7, xt1 + c * 512, 64); _tile_dpbf16ps(1, 4, 7); }
     if (strips > 1) {
-      _tile_loadd(5, ws[1] + c * step, stride);
+      _tile_loadd(5, ws[1] + c * 512, 64);
       _tile_dpbf16ps(2, 5, 6);
       if (blocks > 1) _tile_dpbf16ps(3, 5, 7);
     }
@@ -729,7 +725,7 @@ void amx_block(const uint16_t* const ws[2], int64_t step, int64_t stride, int64_
   if (strips > 1 && blocks > 1) _tile_stored(3, cbuf + 768, 64);
 }
 
-template <int BITS>
+template <int BITS>  // 4 or 8
 at::Tensor amx_linear(const QuantWeight& w, const at::Tensor& x) {
   const int64_t m = x.size(0), m_pad = (m + 15) / 16 * 16, chunks = w.k / 32, strips = (w.n + 15) / 16;
   thread_local simd::aligned_vector<uint16_t> x_buffer;  // this (calling) thread's; the workers get a pointer
@@ -740,25 +736,18 @@ at::Tensor amx_linear(const QuantWeight& w, const at::Tensor& x) {
   c10::BFloat16* yptr = y.data_ptr<c10::BFloat16>();
   parallel_for_dynamic(0, (strips + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     configure_tiles();
-    thread_local simd::aligned_vector<uint16_t> wt;  // dequantized strips (not needed for whole dense strips)
+    thread_local simd::aligned_vector<uint16_t> wt;  // the pair's dequantized strips
     std::vector<float> params(2 * w.groups());
     alignas(64) float cbuf[4 * 256];
     for (int64_t pair = p0; pair < p1; ++pair) {
       const int64_t n0 = pair * 32, pair_strips = std::min<int64_t>(2, strips - 2 * pair);
-      const uint16_t* ws[2] = {nullptr, nullptr};
-      int64_t step = 512, stride = 64;
-      if (BITS == 16 && n0 + 32 <= w.n) {  // whole strips of a dense bf16 W: tiles straight from W
-        const uint16_t* base = reinterpret_cast<const uint16_t*>(w.data);
-        ws[0] = base + n0 * w.k, ws[1] = base + (n0 + 16) * w.k, step = 32, stride = 2 * w.k;
-      } else {
-        if (wt.size() < static_cast<size_t>(2 * chunks * 512)) wt.resize(2 * chunks * 512);
-        ws[0] = wt.data(), ws[1] = wt.data() + chunks * 512;
-        for (int64_t s = 0; s < pair_strips; ++s)
-          w_tiles<BITS>(w, n0 + 16 * s, group_of.data(), params.data(), wt.data() + s * chunks * 512);
-      }
+      if (wt.size() < static_cast<size_t>(2 * chunks * 512)) wt.resize(2 * chunks * 512);
+      const uint16_t* ws[2] = {wt.data(), wt.data() + chunks * 512};
+      for (int64_t s = 0; s < pair_strips; ++s)
+        w_tiles<BITS>(w, n0 + 16 * s, group_of.data(), params.data(), wt.data() + s * chunks * 512);
       for (int64_t m0 = 0; m0 < m_pad; m0 += 32) {
         const int64_t blocks = std::min<int64_t>(2, (m_pad - m0) / 16);
-        amx_block(ws, step, stride, pair_strips, xt + (m0 / 16) * chunks * 512, blocks, chunks, cbuf);
+        amx_block(ws, pair_strips, xt + (m0 / 16) * chunks * 512, blocks, chunks, cbuf);
         for (int64_t s = 0; s < pair_strips; ++s)
           for (int64_t b = 0; b < blocks; ++b)
             store_ct(cbuf + (2 * s + b) * 256, std::min<int64_t>(16, m - m0 - 16 * b),
@@ -887,11 +876,10 @@ at::Tensor dense_bf16(const at::Tensor& x, const at::Tensor& weight) {
 }
 #endif
 
-// y = x W^T for a dense bf16 W [N, K] (K a multiple of 32): up to max_fused_rows rows of x the fused
-// loop (W read once per kFusedRows rows), then, for bf16 x up to max_amx_rows, AMX tiles; beyond that
-// at::mm. On the default model's shapes (2 threads) that is 1.6-3.5x oneDNN at one row, 1.2-2x at
-// four, and at 32 rows the whole bf16 decode step went from 154 to 137 ms.
-at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, int64_t max_fused_rows, int64_t max_amx_rows) {
+// y = x W^T for a dense bf16 W [N, K] (K a multiple of 32) where the AMX-packed copy is not available:
+// up to max_fused_rows rows of x the fused loop (W read once per kFusedRows rows; 1.6-3.5x oneDNN at
+// one row, 1.2-2x at four on the default model's shapes), beyond that at::mm.
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, int64_t max_fused_rows) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] matrix");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16,
               "weight must be a contiguous bfloat16 [N, K] matrix");
@@ -902,9 +890,6 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, int64_t m
   if (x.size(0) <= max_fused_rows && x.scalar_type() == at::kBFloat16) return dense_bf16(x, weight);
 #endif
   if (x.size(0) <= max_fused_rows) return fused<16>(w, x);
-#if defined(KVSERVE_AMX)
-  if (x.scalar_type() == at::kBFloat16 && x.size(0) <= max_amx_rows && amx_ready()) return amx_linear<16>(w, x);
-#endif
   return at::mm(x, weight.t().to(x.scalar_type()));
 }
 

@@ -1,0 +1,217 @@
+// y = x W^T for a dense bf16 weight stored in the AMX tile layout ("packed"), on CPUs with AMX.
+//
+// The packed layout cuts W [N, K] into strips of 16 output channels and chunks of 32 inputs; tile
+// (strip s, chunk c) is 1 KB, stored strip by strip, chunk by chunk:
+//     packed[s][c][r][2 j + e] = W[16 s + j][32 c + 2 r + e]      (r, j < 16; e < 2; N padded with zeros)
+// which is the B operand of an AMX bf16 multiply as it is: 16 rows of input pairs x 16 channels. So
+//   - x is the A operand straight from memory (its rows, 32 inputs per tile) and each C tile holds
+//     16 rows of y for 16 channels: no transpose of x or of the result, unlike multiplying W from its
+//     row-major form (W as A, x^T as B, y^T in C);
+//   - a thread's share of W is one sequential stream of 1 KB tiles instead of 32 rows read side by
+//     side, which the hardware prefetchers follow better.
+// For 1-4 rows of x (single-stream decode) AVX512-BF16 reads the same layout: a tile row is 16
+// channels x one input pair, multiplied by that pair of x broadcast, so each accumulator lane is
+// one output channel and nothing is reduced across lanes.
+#include "kernels.h"
+#include "simd.h"
+
+#include <ATen/ATen.h>
+
+#if defined(KVSERVE_AMX)
+namespace {
+
+using simd::aligned_vector;
+
+constexpr int64_t kTile = 512;         // bf16 values per 16 x 32 tile
+constexpr int64_t kMaxVectorRows = 4;  // up to here AVX512-BF16, beyond AMX
+constexpr int64_t kPrefetchValues = 2048;  // 4 KB ahead in each strip's stream (2 and 8 KB: slower)
+// Many rows of x (prefill): the work is cut into passes of kRowsPerPass rows over groups of strip
+// pairs holding ~kGroupBytes of W, a group's passes one after the other, so the group stays in L2
+// while x goes by a pass at a time. Work items run group by group, pass by pass, pair by pair.
+// 128-256 rows and 1 MB were the best of 128-1024 rows and 0.25-4 MB at 512-2048 rows (the default
+// model's 30 layers, 2 threads); one pass of all rows was 30-50% slower at 2048.
+constexpr int64_t kRowsPerPass = 256;
+constexpr int64_t kGroupBytes = int64_t{1} << 20;
+
+// Tile (s, c) of W from 16 rows x 32 inputs: 16 x 16 transpose of input pairs (32-bit elements).
+void pack_tile(const uint16_t* w, int64_t k, int64_t rows, uint16_t* out) {
+  __m512i r[16];
+  for (int i = 0; i < 16; ++i) r[i] = i < rows ? _mm512_loadu_si512(w + i * k) : _mm512_setzero_si512();
+  simd::transpose16(r);
+  for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + i * 32, r[i]);
+}
+
+// MB rows of x against G strips at a time: each broadcast pair of x serves G strips, and the G
+// strips are G streams through memory, which keeps more cache-line fills in flight than one.
+template <int MB, int G>
+void vector_strips(const uint16_t* w, const uint16_t* x, int64_t k, int64_t n, int64_t s, c10::BFloat16* y) {
+  const int64_t chunks = k / 32, strip_values = chunks * kTile;
+  __m512 acc[G][MB];
+  for (int g = 0; g < G; ++g)
+    for (int m = 0; m < MB; ++m) acc[g][m] = _mm512_setzero_ps();
+  const uint16_t* ws = w + s * strip_values;
+  for (int64_t c = 0; c < chunks; ++c) {
+    for (int r = 0; r < 16; ++r) {
+      __m512bh xv[MB];
+      for (int m = 0; m < MB; ++m)
+        xv[m] = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + m * k + c * 32 + 2 * r));
+      for (int g = 0; g < G; ++g) {
+        const uint16_t* t = ws + g * strip_values + c * kTile + r * 32;
+        _mm_prefetch(reinterpret_cast<const char*>(t + kPrefetchValues), _MM_HINT_T0);
+        const __m512bh wv = (__m512bh)_mm512_load_si512(t);
+        for (int m = 0; m < MB; ++m) acc[g][m] = _mm512_dpbf16_ps(acc[g][m], wv, xv[m]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const int64_t cols = std::min<int64_t>(16, n - (s + g) * 16);
+    const __mmask16 mask = cols == 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+    for (int m = 0; m < MB; ++m)
+      _mm256_mask_storeu_epi16(y + m * n + (s + g) * 16, mask, (__m256i)_mm512_cvtneps_pbh(acc[g][m]));
+  }
+}
+
+template <int MB>
+void vector_rows(const uint16_t* w, const uint16_t* x, int64_t k, int64_t n, int64_t s0, int64_t s1, c10::BFloat16* y) {
+  int64_t s = s0;
+  for (; s + 4 <= s1; s += 4) vector_strips<MB, 4>(w, x, k, n, s, y);
+  for (; s < s1; ++s) vector_strips<MB, 1>(w, x, k, n, s, y);
+}
+
+at::Tensor vector_linear(const at::Tensor& x, const uint16_t* w, int64_t n) {
+  const int64_t m = x.size(0), k = x.size(1), strips = (n + 15) / 16;
+  at::Tensor y = at::empty({m, n}, x.options());
+  const uint16_t* xp = static_cast<const uint16_t*>(x.data_ptr());
+  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  // A second thread costs a wake-up that a small matrix never earns back: >= 256 KB of W per task.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (k * 32));
+  parallel_for_dynamic(0, strips, grain, [&](int64_t s0, int64_t s1) {
+    switch (m) {
+      case 1: vector_rows<1>(w, xp, k, n, s0, s1, yp); break;
+      case 2: vector_rows<2>(w, xp, k, n, s0, s1, yp); break;
+      case 3: vector_rows<3>(w, xp, k, n, s0, s1, yp); break;
+      default: vector_rows<4>(w, xp, k, n, s0, s1, yp); break;
+    }
+  });
+  return y;
+}
+
+// C tile (16 rows x 16 channels, float32) -> `rows` rows of y, `cols` channels, as bf16.
+inline void store_c(const float* c, int64_t rows, int64_t cols, c10::BFloat16* y, int64_t ldy) {
+  const __mmask16 mask = cols == 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  for (int64_t i = 0; i < rows; ++i)
+    _mm256_mask_storeu_epi16(y + i * ldy, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + i * 16)));
+}
+
+// Up to two blocks of 16 rows of x (A tiles 4, 5; rows `lda` bytes apart) against up to two strips
+// of W (B tiles 6, 7): four independent accumulators (C tiles 0-3, C[2 * block + strip]), so the
+// tile multiplies overlap. Returns the accumulators in `cbuf`.
+void amx_block(const uint16_t* const a[2], int64_t lda, int blocks, const uint16_t* w0, int strips, int64_t chunks,
+               float* cbuf) {
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  const uint16_t* w1 = w0 + chunks * kTile;
+  for (int64_t c = 0; c < chunks; ++c) {
+    _tile_loadd(4, a[0] + c * 32, lda);
+    _tile_loadd(6, w0 + c * kTile, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (strips > 1) { _tile_loadd(7, w1 + c * kTile, 64); _tile_dpbf16ps(1, 4, 7); }
+    if (blocks > 1) {
+      _tile_loadd(5, a[1] + c * 32, lda);
+      _tile_dpbf16ps(2, 5, 6);
+      if (strips > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, cbuf, 64);
+  if (strips > 1) _tile_stored(1, cbuf + 256, 64);
+  if (blocks > 1) _tile_stored(2, cbuf + 512, 64);
+  if (blocks > 1 && strips > 1) _tile_stored(3, cbuf + 768, 64);
+}
+
+at::Tensor amx_linear(const at::Tensor& x, const uint16_t* w, int64_t n) {
+  const int64_t m = x.size(0), k = x.size(1), chunks = k / 32, strips = (n + 15) / 16, pairs = (strips + 1) / 2;
+  const int64_t full = m / 16 * 16, blocks16 = (m + 15) / 16;
+  const uint16_t* xp = static_cast<const uint16_t*>(x.data_ptr());
+  // The last block of rows if m is not a multiple of 16: copied into 16 zero-padded rows, since a tile
+  // load reads all 16 (past the end of x otherwise). The calling thread's buffer; workers get a pointer.
+  thread_local aligned_vector<uint16_t> tail;
+  if (full < m) {
+    tail.assign(16 * k, 0);
+    std::copy(xp + full * k, xp + m * k, tail.data());
+  }
+  const uint16_t* tailp = tail.data();
+  at::Tensor y = at::empty({m, n}, x.options());
+  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  const int64_t passes = (m + kRowsPerPass - 1) / kRowsPerPass;
+  const int64_t group = std::max<int64_t>(1, std::min<int64_t>(pairs, kGroupBytes / (k * 64)));
+  const int64_t groups = (pairs + group - 1) / group;
+  parallel_for_dynamic(0, groups * passes * group, 1, [&](int64_t i0, int64_t i1) {
+    simd::configure_tiles();
+    alignas(64) float cbuf[4 * 256];
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t g = item / (passes * group), pass = item / group % passes, pair = g * group + item % group;
+      if (pair >= pairs) continue;
+      const int64_t s0 = pair * 2;
+      const int strips_here = static_cast<int>(std::min<int64_t>(2, strips - s0));
+      const int64_t b_end = std::min(blocks16, (pass + 1) * kRowsPerPass / 16);
+      for (int64_t b = pass * kRowsPerPass / 16; b < b_end; b += 2) {
+        const int blocks = static_cast<int>(std::min<int64_t>(2, b_end - b));
+        const uint16_t* a[2] = {nullptr, nullptr};
+        for (int i = 0; i < blocks; ++i) a[i] = (b + i) * 16 == full ? tailp : xp + (b + i) * 16 * k;
+        amx_block(a, 2 * k, blocks, w + s0 * chunks * kTile, strips_here, chunks, cbuf);
+        for (int i = 0; i < blocks; ++i)
+          for (int s = 0; s < strips_here; ++s)
+            store_c(cbuf + (2 * i + s) * 256, std::min<int64_t>(16, m - (b + i) * 16),
+                    std::min<int64_t>(16, n - (s0 + s) * 16), yp + (b + i) * 16 * n + (s0 + s) * 16, n);
+      }
+    }
+    _tile_release();
+  });
+  return y;
+}
+
+}  // namespace
+#endif
+
+bool packed_linear_supported() {
+#if defined(KVSERVE_AMX)
+  return simd::amx_ready();
+#else
+  return false;
+#endif
+}
+
+at::Tensor pack_bf16_weight(const at::Tensor& weight) {
+  TORCH_CHECK(packed_linear_supported(), "the packed bf16 layout needs AMX");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16 &&
+                  weight.size(1) % 32 == 0,
+              "weight must be a contiguous bfloat16 [N, K] matrix with K a multiple of 32");
+  const int64_t n = weight.size(0), k = weight.size(1), strips = (n + 15) / 16, chunks = k / 32;
+  at::Tensor out = at::empty({strips, chunks, 16, 32}, weight.options());
+#if defined(KVSERVE_AMX)
+  const uint16_t* src = static_cast<const uint16_t*>(weight.data_ptr());
+  uint16_t* dst = static_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s)
+      for (int64_t c = 0; c < chunks; ++c)
+        pack_tile(src + s * 16 * k + c * 32, k, std::min<int64_t>(16, n - s * 16), dst + (s * chunks + c) * kTile);
+  });
+#endif
+  return out;
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  TORCH_CHECK(packed_linear_supported(), "the packed bf16 layout needs AMX");
+  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
+                  packed.size(2) == 16 && packed.size(3) == 32 && n > 0 && (n + 15) / 16 == packed.size(0),
+              "packed must be pack_bf16_weight's [N / 16, K / 32, 16, 32] of an [n, K] weight");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(1) == packed.size(1) * 32,
+              "x must be a contiguous bfloat16 [M, K] matrix, K = ", packed.size(1) * 32);
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0, "packed must start on a cache line");
+#if defined(KVSERVE_AMX)
+  const uint16_t* w = static_cast<const uint16_t*>(packed.data_ptr());
+  if (x.size(0) == 0) return at::empty({0, n}, x.options());
+  return x.size(0) <= kMaxVectorRows ? vector_linear(x, w, n) : amx_linear(x, w, n);
+#else
+  return at::Tensor();
+#endif
+}

@@ -1,0 +1,97 @@
+"""The AMX-packed bf16 linear (layers/csrc/packed_linear.cpp) against torch, and the dense method's
+use of it: the packed copy is made at load, used up to _MAX_PACKED_ROWS rows, oneDNN beyond."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.model.layers.linear import Linear, load_checkpoint
+from kvserve.model.quant import methods
+from kvserve.model.quant.methods import load_quant_kernels
+
+
+def _kernels():
+    kernels = load_quant_kernels()
+    if kernels is None or not kernels.packed_linear_supported():
+        pytest.skip("no AMX here: dense bf16 weights are not packed")
+    return kernels
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.float(), w.float())
+
+
+@pytest.mark.parametrize("n,k", [(72, 192), (960, 576), (40, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17, 33, 64, 300, 600])
+def test_packed_linear_matches_torch(n, k, rows):
+    kernels = _kernels()
+    torch.manual_seed(rows)
+    w = (torch.randn(n, k) * 0.1).bfloat16()
+    x = torch.randn(rows, k).bfloat16()
+    packed = kernels.pack_bf16_weight(w)
+    assert packed.shape == ((n + 15) // 16, k // 32, 16, 32)
+    y = kernels.packed_linear(x, packed, n)
+    ref = _reference(x, w)
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    # float32 sums rounded once to bf16: within a bf16 step of the exact result
+    torch.testing.assert_close(y.float(), ref, atol=1e-2 * ref.abs().max().item(), rtol=8e-3)
+
+
+def test_packed_layout_holds_the_weight_tile_by_tile():
+    kernels = _kernels()
+    w = torch.arange(40 * 64, dtype=torch.float32).reshape(40, 64).bfloat16()
+    packed = kernels.pack_bf16_weight(w)  # [strip, chunk, input pair, 2 * channel + which of the pair]
+    for n, kk in [(0, 0), (1, 0), (0, 1), (17, 33), (39, 63)]:
+        s, j, c, r, e = n // 16, n % 16, kk // 32, kk % 32 // 2, kk % 2
+        assert packed[s, c, r, 2 * j + e] == w[n, kk]
+    assert torch.all(packed[2, :, :, 16:] == 0)  # channels 40-47 do not exist: zero padding
+
+
+def test_packed_rows_do_not_depend_on_the_batch():
+    """Tile sums run in the same order whatever the other rows are (AMX path, 5+ rows)."""
+    kernels = _kernels()
+    torch.manual_seed(0)
+    w = (torch.randn(96, 576) * 0.1).bfloat16()
+    x = torch.randn(70, 576).bfloat16()
+    packed = kernels.pack_bf16_weight(w)
+    full = kernels.packed_linear(x, packed, 96)
+    for rows in (5, 17, 32, 47):
+        assert torch.equal(kernels.packed_linear(x[:rows].contiguous(), packed, 96), full[:rows])
+
+
+def test_packed_linear_rejects_bad_input():
+    kernels = _kernels()
+    w = torch.randn(32, 64).bfloat16()
+    packed = kernels.pack_bf16_weight(w)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels.pack_bf16_weight(torch.randn(32, 48).bfloat16())
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernels.pack_bf16_weight(torch.randn(32, 64))
+    with pytest.raises(RuntimeError, match="K = 64"):
+        kernels.packed_linear(torch.randn(3, 96).bfloat16(), packed, 32)
+    with pytest.raises(RuntimeError, match="pack_bf16_weight"):
+        kernels.packed_linear(torch.randn(3, 64).bfloat16(), packed, 48)  # 3 strips, not 2
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernels.packed_linear(torch.randn(3, 64), packed, 32)
+
+
+@pytest.mark.parametrize("rows", [3, 40, methods._MAX_PACKED_ROWS + 1])
+def test_dense_method_packs_at_load_and_matches_torch(rows):
+    kernels = _kernels()
+    torch.manual_seed(1)
+    layer = Linear(128, 80, bias=True, dtype=torch.bfloat16)
+    model = torch.nn.Sequential()
+    model.add_module("proj", layer)
+    w, b = (torch.randn(80, 128) * 0.1).bfloat16(), torch.randn(80).bfloat16()
+    load_checkpoint(model, [("proj.weight", w), ("proj.bias", b)])
+    assert torch.equal(layer.weight_packed, kernels.pack_bf16_weight(w))
+    x = torch.randn(2, rows, 128).bfloat16()
+    y = layer(x)
+    ref = _reference(x, w) + b.float()
+    assert y.shape == (2, rows, 80)
+    torch.testing.assert_close(y.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=1e-2)
+    spec = layer.method.kernel_spec(layer, kernels)  # the fused decoder's view of the same layer
+    flat = x.reshape(-1, 128)
+    assert torch.equal(spec(flat), y.reshape(-1, 80))
