@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <exception>
 #include <mutex>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -39,6 +40,18 @@ void parallel_for_dynamic(int64_t begin, int64_t end, int64_t grain, const F& f)
     }
   }
   if (error) std::rethrow_exception(error);
+}
+
+// Calls f(std::integral_constant<int, R>{}) with R = rows clamped to 1..4, for kernels that take a
+// few rows of x as a template parameter (their accumulators live in registers).
+template <typename F>
+void with_few_rows(int64_t rows, const F& f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
 }
 
 // layers/csrc/elementwise.cpp

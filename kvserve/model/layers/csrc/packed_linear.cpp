@@ -86,12 +86,7 @@ at::Tensor vector_linear(const at::Tensor& x, const uint16_t* w, int64_t n) {
   // A second thread costs a wake-up that a small matrix never earns back: >= 256 KB of W per task.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (k * 32));
   parallel_for_dynamic(0, strips, grain, [&](int64_t s0, int64_t s1) {
-    switch (m) {
-      case 1: vector_rows<1>(w, xp, k, n, s0, s1, yp); break;
-      case 2: vector_rows<2>(w, xp, k, n, s0, s1, yp); break;
-      case 3: vector_rows<3>(w, xp, k, n, s0, s1, yp); break;
-      default: vector_rows<4>(w, xp, k, n, s0, s1, yp); break;
-    }
+    with_few_rows(m, [&](auto mb) { vector_rows<decltype(mb)::value>(w, xp, k, n, s0, s1, yp); });
   });
   return y;
 }

@@ -191,12 +191,8 @@ void fused_block(const QuantWeight& w, const int32_t* group_of, const float* x, 
                  int64_t n1, float* y, int64_t ldy) {
 #if defined(__AVX512F__)
   if (w.group % 16 == 0) {
-    switch (mb) {
-      case 1: return fused_rows<BITS, 1>(w, group_of, x, ldx, n0, n1, y, ldy);
-      case 2: return fused_rows<BITS, 2>(w, group_of, x, ldx, n0, n1, y, ldy);
-      case 3: return fused_rows<BITS, 3>(w, group_of, x, ldx, n0, n1, y, ldy);
-      default: return fused_rows<BITS, 4>(w, group_of, x, ldx, n0, n1, y, ldy);
-    }
+    with_few_rows(mb, [&](auto r) { fused_rows<BITS, decltype(r)::value>(w, group_of, x, ldx, n0, n1, y, ldy); });
+    return;
   }
 #endif
   fused_rows_scalar<BITS>(w, x, ldx, mb, n0, n1, y, ldy);
@@ -426,12 +422,9 @@ at::Tensor int4_fused(const QuantWeight& w, const at::Tensor& x) {
       const QBlock* xm = xq + m0 * blocks;
       const float* sm = xsum + m0 * gpad;
       T* ym = yp + m0 * w.n;
-      switch (std::min<int64_t>(kFusedRows, m - m0)) {
-        case 1: int4_block<T, CODED, SPLIT, 1>(w, lanes, blocks, xm, sm, gpad, n0, n1, ym, w.n); break;
-        case 2: int4_block<T, CODED, SPLIT, 2>(w, lanes, blocks, xm, sm, gpad, n0, n1, ym, w.n); break;
-        case 3: int4_block<T, CODED, SPLIT, 3>(w, lanes, blocks, xm, sm, gpad, n0, n1, ym, w.n); break;
-        default: int4_block<T, CODED, SPLIT, 4>(w, lanes, blocks, xm, sm, gpad, n0, n1, ym, w.n); break;
-      }
+      with_few_rows(std::min<int64_t>(kFusedRows, m - m0), [&](auto mb) {
+        int4_block<T, CODED, SPLIT, decltype(mb)::value>(w, lanes, blocks, xm, sm, gpad, n0, n1, ym, w.n);
+      });
     }
   });
   return y;
@@ -548,17 +541,11 @@ at::Tensor int8_fused(const QuantWeight& w, const at::Tensor& x) {
       const Int8X* xm = xq.data() + m0;
       const float* sm = xsum + m0 * gpad;
       T* ym = yp + m0 * w.n;
-      switch (std::min<int64_t>(kFusedRows, m - m0)) {
-#define KVSERVE_INT8_ROWS(MB)                                                       \
-  int8_rows<T, MB, 4>(w, lanes, blocks, xm, sm, gpad, n0, n4, ym, w.n);             \
-  int8_rows<T, MB, 1>(w, lanes, blocks, xm, sm, gpad, n4, n1, ym, w.n);             \
-  break;
-        case 1: KVSERVE_INT8_ROWS(1)
-        case 2: KVSERVE_INT8_ROWS(2)
-        case 3: KVSERVE_INT8_ROWS(3)
-        default: KVSERVE_INT8_ROWS(4)
-#undef KVSERVE_INT8_ROWS
-      }
+      with_few_rows(std::min<int64_t>(kFusedRows, m - m0), [&](auto mb) {
+        constexpr int MB = decltype(mb)::value;
+        int8_rows<T, MB, 4>(w, lanes, blocks, xm, sm, gpad, n0, n4, ym, w.n);
+        int8_rows<T, MB, 1>(w, lanes, blocks, xm, sm, gpad, n4, n1, ym, w.n);
+      });
     }
   });
   return y;
@@ -864,12 +851,7 @@ at::Tensor dense_bf16(const at::Tensor& x, const at::Tensor& weight) {
       const int64_t mb = std::min<int64_t>(kFusedRows, m - m0);
       const uint16_t* xm = xp + m0 * k;
       c10::BFloat16* ym = yp + m0 * n;
-      switch (mb) {
-        case 1: dense_bf16_rows<1>(wp, xm, k, n0, n1, ym, n); break;
-        case 2: dense_bf16_rows<2>(wp, xm, k, n0, n1, ym, n); break;
-        case 3: dense_bf16_rows<3>(wp, xm, k, n0, n1, ym, n); break;
-        default: dense_bf16_rows<4>(wp, xm, k, n0, n1, ym, n); break;
-      }
+      with_few_rows(mb, [&](auto r) { dense_bf16_rows<decltype(r)::value>(wp, xm, k, n0, n1, ym, n); });
     }
   });
   return y;
