@@ -98,30 +98,6 @@ inline void store_c(const float* c, int64_t rows, int64_t cols, c10::BFloat16* y
     _mm256_mask_storeu_epi16(y + i * ldy, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + i * 16)));
 }
 
-// Up to two blocks of 16 rows of x (A tiles 4, 5; rows `lda` bytes apart) against up to two strips
-// of W (B tiles 6, 7): four independent accumulators (C tiles 0-3, C[2 * block + strip]), so the
-// tile multiplies overlap. Returns the accumulators in `cbuf`.
-void amx_block(const uint16_t* const a[2], int64_t lda, int blocks, const uint16_t* w0, int strips, int64_t chunks,
-               float* cbuf) {
-  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-  const uint16_t* w1 = w0 + chunks * kTile;
-  for (int64_t c = 0; c < chunks; ++c) {
-    _tile_loadd(4, a[0] + c * 32, lda);
-    _tile_loadd(6, w0 + c * kTile, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if (strips > 1) { _tile_loadd(7, w1 + c * kTile, 64); _tile_dpbf16ps(1, 4, 7); }
-    if (blocks > 1) {
-      _tile_loadd(5, a[1] + c * 32, lda);
-      _tile_dpbf16ps(2, 5, 6);
-      if (strips > 1) _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  _tile_stored(0, cbuf, 64);
-  if (strips > 1) _tile_stored(1, cbuf + 256, 64);
-  if (blocks > 1) _tile_stored(2, cbuf + 512, 64);
-  if (blocks > 1 && strips > 1) _tile_stored(3, cbuf + 768, 64);
-}
-
 at::Tensor amx_linear(const at::Tensor& x, const uint16_t* w, int64_t n) {
   const int64_t m = x.size(0), k = x.size(1), chunks = k / 32, strips = (n + 15) / 16, pairs = (strips + 1) / 2;
   const int64_t full = m / 16 * 16, blocks16 = (m + 15) / 16;
@@ -152,7 +128,8 @@ at::Tensor amx_linear(const at::Tensor& x, const uint16_t* w, int64_t n) {
         const int blocks = static_cast<int>(std::min<int64_t>(2, b_end - b));
         const uint16_t* a[2] = {nullptr, nullptr};
         for (int i = 0; i < blocks; ++i) a[i] = (b + i) * 16 == full ? tailp : xp + (b + i) * 16 * k;
-        amx_block(a, 2 * k, blocks, w + s0 * chunks * kTile, strips_here, chunks, cbuf);
+        const uint16_t* b_tiles[2] = {w + s0 * chunks * kTile, w + (s0 + 1) * chunks * kTile};
+        simd::amx_2x2(a, 32, 2 * k, blocks, b_tiles, strips_here, chunks, cbuf);  // C[2 * block + strip]
         for (int i = 0; i < blocks; ++i)
           for (int s = 0; s < strips_here; ++s)
             store_c(cbuf + (2 * i + s) * 256, std::min<int64_t>(16, m - (b + i) * 16),

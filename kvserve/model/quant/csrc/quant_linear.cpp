@@ -631,7 +631,9 @@ at::Tensor tiled_any(const QuantWeight& w, const at::Tensor& x, int64_t tile_byt
 // ---- AMX (bf16 tiles): y^T = W x^T, 16 output channels x 16 rows of x per C tile -----------------
 // W is the A operand: 16 rows x 32 inputs, dequantized in registers and stored row-major (no copy of
 // W beyond one 16-channel strip, no per-call weight reordering, which dominates at::mm for few rows).
-// x^T is the B operand (VNNI pairs), built once per call: x is small.
+// x^T is the B operand (VNNI pairs), built once per call: x is small. Two strips of W against one or
+// two blocks of 16 rows of x at a time (simd::amx_2x2, C[2 * strip + block]). A dense bf16 W has its
+// own kernel (layers/csrc/packed_linear.cpp) on a copy of W stored as B tiles.
 #if defined(KVSERVE_AMX)
 using simd::amx_ready;
 using simd::configure_tiles;
@@ -687,31 +689,6 @@ void store_ct(const float* c, int64_t rows, int64_t cols, c10::BFloat16* y, int6
   }
 }
 
-// Two 16-channel strips of W (A tiles 4, 5) against one or two blocks of 16 rows of x (B tiles 6, 7):
-// four independent accumulators C[2 * strip + block] (tiles 0-3), so the tile multiplies overlap.
-// Strip s's dequantized tile for chunk c is the 1 KB at ws[s] + c * 512. (A dense bf16 W has its own
-// kernel, layers/csrc/packed_linear.cpp, on a copy of W stored in tiles.)
-void amx_block(const uint16_t* const ws[2], int64_t strips, const uint16_t* xt, int64_t blocks, int64_t chunks,
-               float* cbuf) {
-  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-  const uint16_t* xt1 = xt + chunks * 512;
-  for (int64_t c = 0; c < chunks; ++c) {
-    _tile_loadd(4, ws[0] + c * 512, 64);
-    _tile_loadd(6, xt + c * 512, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if (blocks > 1) { _tile_loadd(7, xt1 + c * 512, 64); _tile_dpbf16ps(1, 4, 7); }
-    if (strips > 1) {
-      _tile_loadd(5, ws[1] + c * 512, 64);
-      _tile_dpbf16ps(2, 5, 6);
-      if (blocks > 1) _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  _tile_stored(0, cbuf, 64);
-  if (blocks > 1) _tile_stored(1, cbuf + 256, 64);
-  if (strips > 1) _tile_stored(2, cbuf + 512, 64);
-  if (strips > 1 && blocks > 1) _tile_stored(3, cbuf + 768, 64);
-}
-
 template <int BITS>  // 4 or 8
 at::Tensor amx_linear(const QuantWeight& w, const at::Tensor& x) {
   const int64_t m = x.size(0), m_pad = (m + 15) / 16 * 16, chunks = w.k / 32, strips = (w.n + 15) / 16;
@@ -734,7 +711,8 @@ at::Tensor amx_linear(const QuantWeight& w, const at::Tensor& x) {
         w_tiles<BITS>(w, n0 + 16 * s, group_of.data(), params.data(), wt.data() + s * chunks * 512);
       for (int64_t m0 = 0; m0 < m_pad; m0 += 32) {
         const int64_t blocks = std::min<int64_t>(2, (m_pad - m0) / 16);
-        amx_block(ws, pair_strips, xt + (m0 / 16) * chunks * 512, blocks, chunks, cbuf);
+        const uint16_t* xb[2] = {xt + (m0 / 16) * chunks * 512, xt + (m0 / 16 + 1) * chunks * 512};
+        simd::amx_2x2(ws, 512, 64, static_cast<int>(pair_strips), xb, static_cast<int>(blocks), chunks, cbuf);
         for (int64_t s = 0; s < pair_strips; ++s)
           for (int64_t b = 0; b < blocks; ++b)
             store_ct(cbuf + (2 * s + b) * 256, std::min<int64_t>(16, m - m0 - 16 * b),
