@@ -95,3 +95,46 @@ def test_dense_method_packs_at_load_and_matches_torch(rows):
     spec = layer.method.kernel_spec(layer, kernels)  # the fused decoder's view of the same layer
     flat = x.reshape(-1, 128)
     assert torch.equal(spec(flat), y.reshape(-1, 80))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 64, 300])
+def test_gated_packed_linear_is_silu_mul_of_the_projection_bitwise(rows):
+    """The gated copy writes SiLU(gate) * up itself: the same bits as the plain copy + silu_mul."""
+    kernels = _kernels()
+    torch.manual_seed(rows)
+    w = (torch.randn(2 * 96, 576) * 0.1).bfloat16()  # [W_gate; W_up], 96 channels each
+    x = torch.randn(rows, 576).bfloat16()
+    plain = kernels.packed_linear(x, kernels.pack_bf16_weight(w), 192)
+    gated = kernels.packed_linear(x, kernels.pack_bf16_weight(w, gated=True), 192, gated=True)
+    assert gated.shape == (rows, 96)
+    assert torch.equal(gated, kernels.silu_mul(plain))
+    gate, up = _reference(x, w).chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    torch.testing.assert_close(gated.float(), ref, atol=3e-2 * ref.abs().max().item(), rtol=2e-2)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels.pack_bf16_weight(w[:48].contiguous(), gated=True)
+
+
+@pytest.mark.parametrize("rows", [2, 40, methods._MAX_PACKED_ROWS + 1])
+def test_gated_layer_projects_silu_mul_through_every_path(rows):
+    kernels = _kernels()
+    torch.manual_seed(2)
+    layer = Linear(64, 2 * 48, bias=False, dtype=torch.bfloat16, shards={"gate": (0, 48), "up": (48, 48)},
+                   gated=True)
+    model = torch.nn.Sequential()
+    model.add_module("mlp", torch.nn.Module())
+    model.mlp.add_module("gate_up", layer)
+    gate_w, up_w = (torch.randn(48, 64) * 0.1).bfloat16(), (torch.randn(48, 64) * 0.1).bfloat16()
+    load_checkpoint(model, [("mlp.gate.weight", gate_w), ("mlp.up.weight", up_w)])
+    assert layer.packed_gated
+    x = torch.randn(rows, 64).bfloat16()
+    fused = layer.project_silu_mul(x)
+    if rows <= methods._MAX_PACKED_ROWS:  # the gated copy: bitwise the plain copy's result + silu_mul
+        plain = kernels.packed_linear(x, kernels.pack_bf16_weight(layer.weight.data), 96)
+        assert torch.equal(fused, kernels.silu_mul(plain))
+    unfused = kernels.silu_mul(layer(x))  # the plain projection comes from W itself, not the gated copy
+    torch.testing.assert_close(fused.float(), unfused.float(), atol=2e-2 * unfused.abs().max().item(), rtol=2e-2)
+    if rows > methods._MAX_PACKED_ROWS:
+        assert torch.equal(fused, unfused)  # both on oneDNN
+    spec = layer.method.kernel_spec(layer, kernels)
+    assert torch.equal(spec.silu_mul(x), fused) and torch.equal(spec(x), layer(x))

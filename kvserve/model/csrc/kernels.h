@@ -6,6 +6,9 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <exception>
@@ -59,6 +62,10 @@ at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residu
                     double eps);
 void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_mul(const at::Tensor& x);
+#if defined(__AVX512F__)
+// silu_mul's bf16 arithmetic for 16 values of gate and of up (bf16 values as float32): the bf16 result.
+__m256i silu_mul16_bf16(__m512 gate, __m512 up);
+#endif
 at::Tensor argmax_rows(const at::Tensor& x);
 
 // quant/csrc/quant_linear.cpp
@@ -71,10 +78,11 @@ at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const
                       const c10::optional<at::Tensor>& factors, int64_t group, int64_t bits, at::ScalarType dtype);
 bool has_amx();
 
-// layers/csrc/packed_linear.cpp: dense bf16 W in the AMX tile layout [N / 16, K / 32, 16, 32].
+// layers/csrc/packed_linear.cpp: dense bf16 W in the AMX tile layout [N / 16, K / 32, 16, 32];
+// gated: W = [W_gate; W_up] whose output is SiLU(gate) * up [M, N / 2].
 bool packed_linear_supported();
-at::Tensor pack_bf16_weight(const at::Tensor& weight);
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n);
+at::Tensor pack_bf16_weight(const at::Tensor& weight, bool gated);
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool gated);
 
 // attention/csrc/paged_decode.cpp
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -104,7 +112,9 @@ struct LinearSpec {
   int64_t tile_bytes = 0;                        // kQuant: the prefill tile size
   c10::optional<at::Tensor> packed;              // kDense: the weight in the AMX tile layout, if any
   int64_t max_packed_rows = 0;                   // kDense: up to this many rows, packed_linear
+  bool gated = false;                            // `packed` computes SiLU(gate) * up (only that)
   at::Tensor apply(const at::Tensor& x) const;
+  at::Tensor apply_silu_mul(const at::Tensor& x) const;  // SiLU(gate) * up of apply(x), a gated layer's use
 };
 
 struct LayerSpec {

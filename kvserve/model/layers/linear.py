@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from kvserve.model.layers.elementwise import silu_mul
 from kvserve.model.quant.registry import CheckpointTensor, QuantMethod, get_quant_method
 
 
@@ -17,9 +18,12 @@ class Linear(torch.nn.Module):
     """y = x W^T (+ b). ``shards`` names the checkpoint tensors stacked into this weight, if any."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 shards: dict[str, tuple[int, int]] | None = None) -> None:
+                 shards: dict[str, tuple[int, int]] | None = None, gated: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
+        # gated: W = [W_gate; W_up], an MLP's fused projection whose output is only ever used as
+        # SiLU(gate) * up (``project_silu_mul``); a method may store W so as to compute that directly.
+        self.gated = gated
         self.bias = torch.nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         # shard name -> (row offset, rows) inside this fused weight, e.g. {"q_proj": (0, 576), ...}
         self.shards = shards or {}
@@ -42,6 +46,12 @@ class Linear(torch.nn.Module):
     def project(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x)
         return y if self.bias is None else y + self.bias
+
+    def project_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up of y = x W^T (+ b) = [gate | up]: [..., out_features / 2]."""
+        if self.bias is not None:
+            return silu_mul(self.project(x))
+        return self.method.apply_silu_mul(self, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x)

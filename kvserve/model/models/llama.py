@@ -14,7 +14,6 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.model.attention.backend import AttentionBackend, AttentionMetadata
-from kvserve.model.layers.elementwise import silu_mul
 from kvserve.model.layers.linear import Linear, VocabEmbedding, load_checkpoint
 from kvserve.model.layers.norm import RMSNorm
 from kvserve.model.layers.rotary import RotaryEmbedding
@@ -51,11 +50,11 @@ class MLP(torch.nn.Module):
         super().__init__()
         inter = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, False, dtype,
-                                   shards={"gate_proj": (0, inter), "up_proj": (inter, inter)})
+                                   shards={"gate_proj": (0, inter), "up_proj": (inter, inter)}, gated=True)
         self.down_proj = Linear(inter, cfg.hidden_size, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.project_silu_mul(x))
 
 
 class DecoderLayer(torch.nn.Module):

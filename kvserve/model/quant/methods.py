@@ -60,6 +60,7 @@ class Dense(QuantMethod):
     def create_weights(self, layer) -> None:
         weight = torch.empty(layer.out_features, layer.in_features, dtype=layer.dtype)
         layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+        layer.packed_gated = False  # finish_loading may add a packed copy (gated or not)
 
     def weight_names(self) -> tuple[str, ...]:
         return ("weight", "weight_packed")
@@ -73,16 +74,32 @@ class Dense(QuantMethod):
         w = layer.weight
         kernels = load_quant_kernels() if w.device.type == "cpu" and w.dtype == torch.bfloat16 else None
         if kernels is not None and layer.in_features % 32 == 0 and kernels.packed_linear_supported():
-            layer.register_buffer("weight_packed", kernels.pack_bf16_weight(w.data.contiguous()))
+            # A gated layer's copy computes SiLU(gate) * up itself (project_silu_mul), and only that.
+            layer.packed_gated = layer.gated and layer.out_features % 32 == 0
+            layer.register_buffer("weight_packed", kernels.pack_bf16_weight(w.data.contiguous(), layer.packed_gated))
+
+    def _packed(self, layer, x: torch.Tensor, gated: bool) -> torch.Tensor | None:
+        """x through the packed copy (SiLU(gate) * up if ``gated``), or None where it does not apply."""
+        packed = layer._buffers.get("weight_packed")
+        if packed is None or layer.packed_gated != gated or x.device.type != "cpu" or x.dtype != torch.bfloat16:
+            return None
+        flat = x if x.dim() == 2 else x.reshape(-1, layer.in_features)
+        if flat.shape[0] > _MAX_PACKED_ROWS:
+            return None
+        y = load_quant_kernels().packed_linear(flat.contiguous(), packed, layer.out_features, gated)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def apply_silu_mul(self, layer, x: torch.Tensor) -> torch.Tensor:
+        y = self._packed(layer, x, gated=True)
+        return y if y is not None else super().apply_silu_mul(layer, x)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         w = layer._parameters["weight"]  # not layer.weight: nn.Module's attribute lookup costs µs per call
+        y = self._packed(layer, x, gated=False)
+        if y is not None:
+            return y
         if x.device.type == "cpu" and w.dtype == torch.bfloat16 and layer.in_features % 32 == 0:
             flat = x if x.dim() == 2 else x.reshape(-1, layer.in_features)
-            packed = layer._buffers.get("weight_packed")
-            if packed is not None and flat.shape[0] <= _MAX_PACKED_ROWS:
-                y = load_quant_kernels().packed_linear(flat.contiguous(), packed, layer.out_features)
-                return y if x.dim() == 2 else y.reshape(*x.shape[:-1], layer.out_features)
             kernels = load_quant_kernels() if flat.shape[0] <= _MAX_DENSE_FUSED_ROWS else None
             if kernels is not None:  # 1.6-3.5x oneDNN at 1 row, 1.2-2x at 4
                 y = kernels.dense_linear(flat.contiguous(), w, _MAX_DENSE_FUSED_ROWS)
@@ -94,7 +111,8 @@ class Dense(QuantMethod):
         bias = layer.bias
         if w.dtype == torch.bfloat16 and layer.in_features % 32 == 0:
             return kernels.LinearSpec(0, w, bias=bias, max_fused_rows=_MAX_DENSE_FUSED_ROWS,
-                                      packed=layer._buffers.get("weight_packed"), max_packed_rows=_MAX_PACKED_ROWS)
+                                      packed=layer._buffers.get("weight_packed"), max_packed_rows=_MAX_PACKED_ROWS,
+                                      gated=layer.packed_gated)
         return kernels.LinearSpec(2, w, bias=bias)
 
     def embed(self, layer, ids: torch.Tensor) -> torch.Tensor:

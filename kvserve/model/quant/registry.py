@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Union
 
 import torch
 
+from kvserve.model.layers.elementwise import silu_mul
+
 if TYPE_CHECKING:
     from kvserve.model.gguf_file import GGUFBlocks
     from kvserve.model.layers.linear import Linear
@@ -45,6 +47,10 @@ class QuantMethod(ABC):
     @abstractmethod
     def embed(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of W in the layer's dtype (the embedding lookup)."""
+
+    def apply_silu_mul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up of ``apply`` for a gated layer (W = [W_gate; W_up]), [..., out_features / 2]."""
+        return silu_mul(self.apply(layer, x))
 
     def finish_loading(self, layer: Linear) -> None:
         """Called once every checkpoint tensor is in (a method may quantize only now, e.g. to use

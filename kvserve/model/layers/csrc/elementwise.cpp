@@ -238,6 +238,10 @@ at::Tensor silu_mul_typed(const at::Tensor& x) {
       T* dst = out.data_ptr<T>() + r * width;
       int64_t i = 0;
 #if defined(__AVX512F__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        for (; i + kVec <= width; i += kVec)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), silu_mul16_bf16(load16(gate + i), load16(up + i)));
+      }
       for (; i + kVec <= width; i += kVec) store16(dst + i, _mm512_mul_ps(round16<T>(silu16(load16(gate + i))), load16(up + i)));
 #endif
       for (; i < width; ++i) store(dst, i, round_to<T>(silu(load(gate, i))) * load(up, i));
@@ -301,6 +305,12 @@ void check_cpu(const at::Tensor& t, const char* what) {
   }
 
 }  // namespace
+
+#if defined(__AVX512F__)
+__m256i silu_mul16_bf16(__m512 gate, __m512 up) {
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(_mm512_mul_ps(round16<c10::BFloat16>(silu16(gate)), up)), 16));
+}
+#endif
 
 // RMSNorm over the last dimension: weight * (x / rms(x)); with `residual` ([rows, dim]), first
 // residual += x in place and normalise that sum instead (the decoder's pre-norm residual stream).

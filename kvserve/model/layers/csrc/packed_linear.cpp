@@ -12,6 +12,12 @@
 // For 1-4 rows of x (single-stream decode) AVX512-BF16 reads the same layout: a tile row is 16
 // channels x one input pair, multiplied by that pair of x broadcast, so each accumulator lane is
 // one output channel and nothing is reduced across lanes.
+//
+// "Gated": the fused gate/up projection of an MLP, W = [W_gate; W_up] (N/2 rows each), whose output
+// only ever goes into SiLU(gate) * up. Its strips are stored alternately, gate strip i then up strip
+// i, so the two accumulators of a strip pair hold matching gate and up channels and the kernel
+// writes SiLU(gate) * up [M, N/2] directly (rounded as silu_mul rounds: bitwise the same result),
+// instead of [M, N] that silu_mul then reads back from memory.
 #include "kernels.h"
 #include "simd.h"
 
@@ -43,8 +49,28 @@ void pack_tile(const uint16_t* w, int64_t k, int64_t rows, uint16_t* out) {
 
 // MB rows of x against G strips at a time: each broadcast pair of x serves G strips, and the G
 // strips are G streams through memory, which keeps more cache-line fills in flight than one.
+// Where a kernel's accumulators go: y [M, n] in bf16, or for a gated weight SiLU(gate) * up [M, n / 2].
+struct Output {
+  c10::BFloat16* y;
+  int64_t n;  // W's rows
+  bool gated;
+  int64_t width() const { return gated ? n / 2 : n; }
+  // Row `row`'s 16 channels of strip s (channels past n dropped), from float32 sums.
+  void store(int64_t row, int64_t s, __m512 v) const {
+    const int64_t cols = std::min<int64_t>(16, n - s * 16);
+    const __mmask16 mask = cols == 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+    _mm256_mask_storeu_epi16(y + row * n + s * 16, mask, (__m256i)_mm512_cvtneps_pbh(v));
+  }
+  // Gated: row `row`'s channels of strip pair p, from the gate and up sums (rounded to bf16 first,
+  // as the unfused projection's output would be).
+  void store_gated(int64_t row, int64_t p, __m512 gate, __m512 up) const {
+    const __m512 g = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(gate)), u = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(up));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + row * (n / 2) + p * 16), silu_mul16_bf16(g, u));
+  }
+};
+
 template <int MB, int G>
-void vector_strips(const uint16_t* w, const uint16_t* x, int64_t k, int64_t n, int64_t s, c10::BFloat16* y) {
+void vector_strips(const uint16_t* w, const uint16_t* x, int64_t k, const Output& out, int64_t s) {
   const int64_t chunks = k / 32, strip_values = chunks * kTile;
   __m512 acc[G][MB];
   for (int g = 0; g < G; ++g)
@@ -63,43 +89,40 @@ void vector_strips(const uint16_t* w, const uint16_t* x, int64_t k, int64_t n, i
       }
     }
   }
-  for (int g = 0; g < G; ++g) {
-    const int64_t cols = std::min<int64_t>(16, n - (s + g) * 16);
-    const __mmask16 mask = cols == 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
-    for (int m = 0; m < MB; ++m)
-      _mm256_mask_storeu_epi16(y + m * n + (s + g) * 16, mask, (__m256i)_mm512_cvtneps_pbh(acc[g][m]));
+  for (int m = 0; m < MB; ++m) {
+    if (out.gated) {
+      if constexpr (G % 2 == 0)
+        for (int g = 0; g < G; g += 2) out.store_gated(m, (s + g) / 2, acc[g][m], acc[g + 1][m]);
+    } else {
+      for (int g = 0; g < G; ++g) out.store(m, s + g, acc[g][m]);
+    }
   }
 }
 
+// Strips [s0, s1), s0 even: four at a time, then a pair, then one (never left for a gated weight,
+// whose strips come in pairs).
 template <int MB>
-void vector_rows(const uint16_t* w, const uint16_t* x, int64_t k, int64_t n, int64_t s0, int64_t s1, c10::BFloat16* y) {
+void vector_rows(const uint16_t* w, const uint16_t* x, int64_t k, const Output& out, int64_t s0, int64_t s1) {
   int64_t s = s0;
-  for (; s + 4 <= s1; s += 4) vector_strips<MB, 4>(w, x, k, n, s, y);
-  for (; s < s1; ++s) vector_strips<MB, 1>(w, x, k, n, s, y);
+  for (; s + 4 <= s1; s += 4) vector_strips<MB, 4>(w, x, k, out, s);
+  for (; s + 2 <= s1; s += 2) vector_strips<MB, 2>(w, x, k, out, s);
+  for (; s < s1; ++s) vector_strips<MB, 1>(w, x, k, out, s);
 }
 
-at::Tensor vector_linear(const at::Tensor& x, const uint16_t* w, int64_t n) {
-  const int64_t m = x.size(0), k = x.size(1), strips = (n + 15) / 16;
-  at::Tensor y = at::empty({m, n}, x.options());
+void vector_linear(const at::Tensor& x, const uint16_t* w, const Output& out) {
+  const int64_t m = x.size(0), k = x.size(1), strips = (out.n + 15) / 16;
   const uint16_t* xp = static_cast<const uint16_t*>(x.data_ptr());
-  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
   // A second thread costs a wake-up that a small matrix never earns back: >= 256 KB of W per task.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (k * 32));
-  parallel_for_dynamic(0, strips, grain, [&](int64_t s0, int64_t s1) {
-    with_few_rows(m, [&](auto mb) { vector_rows<decltype(mb)::value>(w, xp, k, n, s0, s1, yp); });
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (k * 32));
+  parallel_for_dynamic(0, (strips + 1) / 2, grain, [&](int64_t p0, int64_t p1) {
+    with_few_rows(m, [&](auto mb) {
+      vector_rows<decltype(mb)::value>(w, xp, k, out, 2 * p0, std::min(2 * p1, strips));
+    });
   });
-  return y;
 }
 
-// C tile (16 rows x 16 channels, float32) -> `rows` rows of y, `cols` channels, as bf16.
-inline void store_c(const float* c, int64_t rows, int64_t cols, c10::BFloat16* y, int64_t ldy) {
-  const __mmask16 mask = cols == 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
-  for (int64_t i = 0; i < rows; ++i)
-    _mm256_mask_storeu_epi16(y + i * ldy, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + i * 16)));
-}
-
-at::Tensor amx_linear(const at::Tensor& x, const uint16_t* w, int64_t n) {
-  const int64_t m = x.size(0), k = x.size(1), chunks = k / 32, strips = (n + 15) / 16, pairs = (strips + 1) / 2;
+void amx_linear(const at::Tensor& x, const uint16_t* w, const Output& out) {
+  const int64_t m = x.size(0), k = x.size(1), chunks = k / 32, strips = (out.n + 15) / 16, pairs = (strips + 1) / 2;
   const int64_t full = m / 16 * 16, blocks16 = (m + 15) / 16;
   const uint16_t* xp = static_cast<const uint16_t*>(x.data_ptr());
   // The last block of rows if m is not a multiple of 16: copied into 16 zero-padded rows, since a tile
@@ -110,8 +133,6 @@ at::Tensor amx_linear(const at::Tensor& x, const uint16_t* w, int64_t n) {
     std::copy(xp + full * k, xp + m * k, tail.data());
   }
   const uint16_t* tailp = tail.data();
-  at::Tensor y = at::empty({m, n}, x.options());
-  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
   const int64_t passes = (m + kRowsPerPass - 1) / kRowsPerPass;
   const int64_t group = std::max<int64_t>(1, std::min<int64_t>(pairs, kGroupBytes / (k * 64)));
   const int64_t groups = (pairs + group - 1) / group;
@@ -130,15 +151,21 @@ at::Tensor amx_linear(const at::Tensor& x, const uint16_t* w, int64_t n) {
         for (int i = 0; i < blocks; ++i) a[i] = (b + i) * 16 == full ? tailp : xp + (b + i) * 16 * k;
         const uint16_t* b_tiles[2] = {w + s0 * chunks * kTile, w + (s0 + 1) * chunks * kTile};
         simd::amx_2x2(a, 32, 2 * k, blocks, b_tiles, strips_here, chunks, cbuf);  // C[2 * block + strip]
-        for (int i = 0; i < blocks; ++i)
-          for (int s = 0; s < strips_here; ++s)
-            store_c(cbuf + (2 * i + s) * 256, std::min<int64_t>(16, m - (b + i) * 16),
-                    std::min<int64_t>(16, n - (s0 + s) * 16), yp + (b + i) * 16 * n + (s0 + s) * 16, n);
+        for (int i = 0; i < blocks; ++i) {
+          const int64_t row0 = (b + i) * 16, rows = std::min<int64_t>(16, m - row0);
+          const float* c0 = cbuf + 2 * i * 256;  // C tiles of this block: strip s0 (c0), s0 + 1 (c0 + 256)
+          for (int64_t r = 0; r < rows; ++r) {
+            if (out.gated) {
+              out.store_gated(row0 + r, pair, _mm512_load_ps(c0 + r * 16), _mm512_load_ps(c0 + 256 + r * 16));
+            } else {
+              for (int s = 0; s < strips_here; ++s) out.store(row0 + r, s0 + s, _mm512_load_ps(c0 + s * 256 + r * 16));
+            }
+          }
+        }
       }
     }
     _tile_release();
   });
-  return y;
 }
 
 }  // namespace
@@ -152,26 +179,29 @@ bool packed_linear_supported() {
 #endif
 }
 
-at::Tensor pack_bf16_weight(const at::Tensor& weight) {
+at::Tensor pack_bf16_weight(const at::Tensor& weight, bool gated) {
   TORCH_CHECK(packed_linear_supported(), "the packed bf16 layout needs AMX");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16 &&
                   weight.size(1) % 32 == 0,
               "weight must be a contiguous bfloat16 [N, K] matrix with K a multiple of 32");
   const int64_t n = weight.size(0), k = weight.size(1), strips = (n + 15) / 16, chunks = k / 32;
+  TORCH_CHECK(!gated || n % 32 == 0, "a gated weight's halves must be whole strips of 16 rows (N a multiple of 32)");
   at::Tensor out = at::empty({strips, chunks, 16, 32}, weight.options());
 #if defined(KVSERVE_AMX)
   const uint16_t* src = static_cast<const uint16_t*>(weight.data_ptr());
   uint16_t* dst = static_cast<uint16_t*>(out.data_ptr());
   at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; ++s)
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t row = gated ? (s % 2) * (n / 2) + (s / 2) * 16 : s * 16;  // gated: gate, up, gate, up...
       for (int64_t c = 0; c < chunks; ++c)
-        pack_tile(src + s * 16 * k + c * 32, k, std::min<int64_t>(16, n - s * 16), dst + (s * chunks + c) * kTile);
+        pack_tile(src + row * k + c * 32, k, std::min<int64_t>(16, n - row), dst + (s * chunks + c) * kTile);
+    }
   });
 #endif
   return out;
 }
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool gated) {
   TORCH_CHECK(packed_linear_supported(), "the packed bf16 layout needs AMX");
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
                   packed.size(2) == 16 && packed.size(3) == 32 && n > 0 && (n + 15) / 16 == packed.size(0),
@@ -179,11 +209,14 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(1) == packed.size(1) * 32,
               "x must be a contiguous bfloat16 [M, K] matrix, K = ", packed.size(1) * 32);
   TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0, "packed must start on a cache line");
+  TORCH_CHECK(!gated || n % 32 == 0, "a gated weight has N a multiple of 32");
+  at::Tensor y = at::empty({x.size(0), gated ? n / 2 : n}, x.options());
 #if defined(KVSERVE_AMX)
   const uint16_t* w = static_cast<const uint16_t*>(packed.data_ptr());
-  if (x.size(0) == 0) return at::empty({0, n}, x.options());
-  return x.size(0) <= kMaxVectorRows ? vector_linear(x, w, n) : amx_linear(x, w, n);
-#else
-  return at::Tensor();
+  const Output out{y.data_ptr<c10::BFloat16>(), n, gated};
+  if (x.size(0) == 0) return y;
+  if (x.size(0) <= kMaxVectorRows) vector_linear(x, w, out);
+  else amx_linear(x, w, out);
 #endif
+  return y;
 }

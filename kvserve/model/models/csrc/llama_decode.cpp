@@ -12,12 +12,19 @@
 
 at::Tensor LinearSpec::apply(const at::Tensor& x) const {
   at::Tensor y;
-  if (kind == kDense && packed.has_value() && x.size(0) <= max_packed_rows) y = packed_linear(x, *packed, weight.size(0));
+  if (kind == kDense && packed.has_value() && !gated && x.size(0) <= max_packed_rows)
+    y = packed_linear(x, *packed, weight.size(0), false);
   else if (kind == kDense && x.size(0) <= max_fused_rows) y = dense_linear(x, weight, max_fused_rows);
   else if (kind == kQuant) y = quant_linear(x, weight, *scales, zeros, factors, group, bits, max_fused_rows,
                                             max_amx_rows, tile_bytes);
   else y = at::linear(x, weight);
   return bias.has_value() ? y + *bias : y;
+}
+
+at::Tensor LinearSpec::apply_silu_mul(const at::Tensor& x) const {
+  if (kind == kDense && packed.has_value() && gated && !bias.has_value() && x.size(0) <= max_packed_rows)
+    return packed_linear(x, *packed, weight.size(0), true);
+  return silu_mul(apply(x));
 }
 
 LlamaDecoder::LlamaDecoder(std::vector<LayerSpec> layers, at::Tensor final_norm, at::Tensor cos, at::Tensor sin,
@@ -69,7 +76,7 @@ at::Tensor LlamaDecoder::forward(const at::Tensor& x, const at::Tensor& position
     const at::Tensor attn = paged_decode_attention(q.contiguous(), halves_[i].first, halves_[i].second, block_tables,
                                                    seq_lens, scale_, kv_kind_);
     normed = rms_norm(layer.o.apply(attn.view({tokens, q_width})), residual, layer.post_norm, eps_);
-    h = layer.down.apply(silu_mul(layer.gate_up.apply(normed)));
+    h = layer.down.apply(layer.gate_up.apply_silu_mul(normed));
   }
   return rms_norm(h, residual, final_norm_, eps_);
 }
