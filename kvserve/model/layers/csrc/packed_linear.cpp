@@ -47,14 +47,11 @@ void pack_tile(const uint16_t* w, int64_t k, int64_t rows, uint16_t* out) {
   for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + i * 32, r[i]);
 }
 
-// MB rows of x against G strips at a time: each broadcast pair of x serves G strips, and the G
-// strips are G streams through memory, which keeps more cache-line fills in flight than one.
 // Where a kernel's accumulators go: y [M, n] in bf16, or for a gated weight SiLU(gate) * up [M, n / 2].
 struct Output {
   c10::BFloat16* y;
   int64_t n;  // W's rows
   bool gated;
-  int64_t width() const { return gated ? n / 2 : n; }
   // Row `row`'s 16 channels of strip s (channels past n dropped), from float32 sums.
   void store(int64_t row, int64_t s, __m512 v) const {
     const int64_t cols = std::min<int64_t>(16, n - s * 16);
@@ -69,6 +66,8 @@ struct Output {
   }
 };
 
+// MB rows of x against G strips at a time: each broadcast pair of x serves G strips, and the G
+// strips are G streams through memory, which keeps more cache-line fills in flight than one.
 template <int MB, int G>
 void vector_strips(const uint16_t* w, const uint16_t* x, int64_t k, const Output& out, int64_t s) {
   const int64_t chunks = k / 32, strip_values = chunks * kTile;
