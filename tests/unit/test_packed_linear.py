@@ -1,5 +1,5 @@
 """The AMX-packed bf16 linear (layers/csrc/packed_linear.cpp) against torch, and the dense method's
-use of it: the packed copy is made at load, used up to _MAX_PACKED_ROWS rows, oneDNN beyond."""
+use of it: W is packed at load and kept only packed (embeddings also keep their rows)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.layers.linear import Linear, load_checkpoint
-from kvserve.model.quant import methods
+from kvserve.model.layers.linear import Linear, VocabEmbedding, load_checkpoint
 from kvserve.model.quant.methods import load_quant_kernels
 
 
@@ -73,11 +72,13 @@ def test_packed_linear_rejects_bad_input():
         kernels.packed_linear(torch.randn(3, 96).bfloat16(), packed, 32)
     with pytest.raises(RuntimeError, match="pack_bf16_weight"):
         kernels.packed_linear(torch.randn(3, 64).bfloat16(), packed, 48)  # 3 strips, not 2
+    with pytest.raises(RuntimeError, match="silu_mul needs a weight packed as gated"):
+        kernels.packed_linear(torch.randn(3, 64).bfloat16(), packed, 32, silu_mul=True)
     with pytest.raises(RuntimeError, match="bfloat16"):
         kernels.packed_linear(torch.randn(3, 64), packed, 32)
 
 
-@pytest.mark.parametrize("rows", [3, 40, methods._MAX_PACKED_ROWS + 1])
+@pytest.mark.parametrize("rows", [3, 40, 1100])
 def test_dense_method_packs_at_load_and_matches_torch(rows):
     kernels = _kernels()
     torch.manual_seed(1)
@@ -87,6 +88,7 @@ def test_dense_method_packs_at_load_and_matches_torch(rows):
     w, b = (torch.randn(80, 128) * 0.1).bfloat16(), torch.randn(80).bfloat16()
     load_checkpoint(model, [("proj.weight", w), ("proj.bias", b)])
     assert torch.equal(layer.weight_packed, kernels.pack_bf16_weight(w))
+    assert not hasattr(layer, "weight")  # only the packed copy is kept
     x = torch.randn(2, rows, 128).bfloat16()
     y = layer(x)
     ref = _reference(x, w) + b.float()
@@ -95,6 +97,23 @@ def test_dense_method_packs_at_load_and_matches_torch(rows):
     spec = layer.method.kernel_spec(layer, kernels)  # the fused decoder's view of the same layer
     flat = x.reshape(-1, 128)
     assert torch.equal(spec(flat), y.reshape(-1, 80))
+    with pytest.raises(ValueError, match="packed for bfloat16"):
+        layer(x.float())
+
+
+def test_embedding_keeps_its_rows_and_projects_through_the_packed_copy():
+    kernels = _kernels()
+    torch.manual_seed(3)
+    embed = VocabEmbedding(100, 64, torch.bfloat16)
+    model = torch.nn.Sequential()
+    model.add_module("embed", embed)
+    w = (torch.randn(100, 64) * 0.1).bfloat16()
+    load_checkpoint(model, [("embed.weight", w)])
+    assert torch.equal(embed(torch.tensor([3, 99])), w[[3, 99]])
+    assert torch.equal(embed.weight_packed, kernels.pack_bf16_weight(w))
+    x = torch.randn(7, 64).bfloat16()
+    ref = _reference(x, w)
+    torch.testing.assert_close(embed.project(x).float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=1e-2)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 64, 300])
@@ -105,7 +124,8 @@ def test_gated_packed_linear_is_silu_mul_of_the_projection_bitwise(rows):
     w = (torch.randn(2 * 96, 576) * 0.1).bfloat16()  # [W_gate; W_up], 96 channels each
     x = torch.randn(rows, 576).bfloat16()
     plain = kernels.packed_linear(x, kernels.pack_bf16_weight(w), 192)
-    gated = kernels.packed_linear(x, kernels.pack_bf16_weight(w, gated=True), 192, gated=True)
+    gated = kernels.packed_linear(x, kernels.pack_bf16_weight(w, gated=True), 192, gated=True, silu_mul=True)
+    assert torch.equal(kernels.packed_linear(x, kernels.pack_bf16_weight(w, gated=True), 192, gated=True), plain)
     assert gated.shape == (rows, 96)
     assert torch.equal(gated, kernels.silu_mul(plain))
     gate, up = _reference(x, w).chunk(2, dim=-1)
@@ -115,7 +135,7 @@ def test_gated_packed_linear_is_silu_mul_of_the_projection_bitwise(rows):
         kernels.pack_bf16_weight(w[:48].contiguous(), gated=True)
 
 
-@pytest.mark.parametrize("rows", [2, 40, methods._MAX_PACKED_ROWS + 1])
+@pytest.mark.parametrize("rows", [2, 40, 1100])
 def test_gated_layer_projects_silu_mul_through_every_path(rows):
     kernels = _kernels()
     torch.manual_seed(2)
@@ -127,14 +147,11 @@ def test_gated_layer_projects_silu_mul_through_every_path(rows):
     gate_w, up_w = (torch.randn(48, 64) * 0.1).bfloat16(), (torch.randn(48, 64) * 0.1).bfloat16()
     load_checkpoint(model, [("mlp.gate.weight", gate_w), ("mlp.up.weight", up_w)])
     assert layer.packed_gated
+    w = torch.cat([gate_w, up_w])
     x = torch.randn(rows, 64).bfloat16()
     fused = layer.project_silu_mul(x)
-    if rows <= methods._MAX_PACKED_ROWS:  # the gated copy: bitwise the plain copy's result + silu_mul
-        plain = kernels.packed_linear(x, kernels.pack_bf16_weight(layer.weight.data), 96)
-        assert torch.equal(fused, kernels.silu_mul(plain))
-    unfused = kernels.silu_mul(layer(x))  # the plain projection comes from W itself, not the gated copy
-    torch.testing.assert_close(fused.float(), unfused.float(), atol=2e-2 * unfused.abs().max().item(), rtol=2e-2)
-    if rows > methods._MAX_PACKED_ROWS:
-        assert torch.equal(fused, unfused)  # both on oneDNN
+    plain = kernels.packed_linear(x, kernels.pack_bf16_weight(w), 96)
+    assert torch.equal(fused, kernels.silu_mul(plain))  # bitwise the plain copy's result + silu_mul
+    assert torch.equal(layer(x), plain)  # the gated copy also writes the plain projection, in W's order
     spec = layer.method.kernel_spec(layer, kernels)
-    assert torch.equal(spec.silu_mul(x), fused) and torch.equal(spec(x), layer(x))
+    assert torch.equal(spec.silu_mul(x), fused) and torch.equal(spec(x), plain)

@@ -79,10 +79,10 @@ at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const
 bool has_amx();
 
 // layers/csrc/packed_linear.cpp: dense bf16 W in the AMX tile layout [N / 16, K / 32, 16, 32];
-// gated: W = [W_gate; W_up] whose output is SiLU(gate) * up [M, N / 2].
+// gated: W = [W_gate; W_up], packed so that the kernel can also write SiLU(gate) * up [M, N / 2].
 bool packed_linear_supported();
 at::Tensor pack_bf16_weight(const at::Tensor& weight, bool gated);
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool gated);
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool gated, bool silu_mul);
 
 // attention/csrc/paged_decode.cpp
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -103,16 +103,15 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
 
 // One Linear as the eager model applies it (quant/methods.py), y = x W^T (+ bias).
 struct LinearSpec {
-  enum Kind : int64_t { kDense = 0, kQuant = 1, kTorch = 2 };
+  enum Kind : int64_t { kDense = 0, kQuant = 1, kTorch = 2, kPacked = 3 };
   int64_t kind = kTorch;
-  at::Tensor weight;  // kDense / kTorch: the float weight [N, K]; kQuant: qweight
+  at::Tensor weight;  // kDense / kTorch: the float weight [N, K]; kQuant: qweight; kPacked: the AMX tile layout
   c10::optional<at::Tensor> scales, zeros, factors, bias;
   int64_t group = 0, bits = 0;
   int64_t max_fused_rows = 0, max_amx_rows = 0;  // the kernels' dispatch thresholds (methods.py)
   int64_t tile_bytes = 0;                        // kQuant: the prefill tile size
-  c10::optional<at::Tensor> packed;              // kDense: the weight in the AMX tile layout, if any
-  int64_t max_packed_rows = 0;                   // kDense: up to this many rows, packed_linear
-  bool gated = false;                            // `packed` computes SiLU(gate) * up (only that)
+  int64_t out_features = 0;                      // kPacked: N (the layout pads it to whole strips)
+  bool gated = false;                            // kPacked: packed as gated (can write SiLU(gate) * up)
   at::Tensor apply(const at::Tensor& x) const;
   at::Tensor apply_silu_mul(const at::Tensor& x) const;  // SiLU(gate) * up of apply(x), a gated layer's use
 };

@@ -18,8 +18,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear_supported", &packed_linear_supported, "the AMX-packed bf16 weight layout is usable here");
   m.def("pack_bf16_weight", &pack_bf16_weight, "a bf16 [N, K] weight in the AMX tile layout (CPU)", py::arg("weight"),
         py::arg("gated") = false, no_gil);
-  m.def("packed_linear", &packed_linear, "x W^T for a weight from pack_bf16_weight; gated: SiLU(gate) * up (CPU)",
-        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("gated") = false, no_gil);
+  m.def("packed_linear", &packed_linear,
+        "x W^T for a weight from pack_bf16_weight, or SiLU(gate) * up of it (silu_mul, a gated weight) (CPU)",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("gated") = false, py::arg("silu_mul") = false, no_gil);
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", no_gil);
   m.def("write_kv_cache", &write_kv_cache, "store a step's k, v at their slots of the paged KV cache (CPU)", no_gil);
   m.def("paged_prefill_supported", &paged_prefill_supported, "AMX prefill attention available for this head_dim");
@@ -30,18 +31,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](int64_t kind, at::Tensor weight, c10::optional<at::Tensor> scales,
                        c10::optional<at::Tensor> zeros, c10::optional<at::Tensor> factors,
                        c10::optional<at::Tensor> bias, int64_t group, int64_t bits, int64_t max_fused_rows,
-                       int64_t max_amx_rows, int64_t tile_bytes, c10::optional<at::Tensor> packed,
-                       int64_t max_packed_rows, bool gated) {
-             TORCH_CHECK(kind >= LinearSpec::kDense && kind <= LinearSpec::kTorch, "unknown linear kind ", kind);
+                       int64_t max_amx_rows, int64_t tile_bytes, int64_t out_features, bool gated) {
+             TORCH_CHECK(kind >= LinearSpec::kDense && kind <= LinearSpec::kPacked, "unknown linear kind ", kind);
              TORCH_CHECK(kind != LinearSpec::kQuant || scales.has_value(), "a quantized weight needs its scales");
              return LinearSpec{kind, std::move(weight), std::move(scales), std::move(zeros), std::move(factors),
                                std::move(bias), group, bits, max_fused_rows, max_amx_rows,
-                               tile_bytes, std::move(packed), max_packed_rows, gated};
+                               tile_bytes, out_features, gated};
            }),
            py::arg("kind"), py::arg("weight"), py::arg("scales") = py::none(), py::arg("zeros") = py::none(),
            py::arg("factors") = py::none(), py::arg("bias") = py::none(), py::arg("group") = 0,
            py::arg("bits") = 0, py::arg("max_fused_rows") = 0, py::arg("max_amx_rows") = 0,
-           py::arg("tile_bytes") = 0, py::arg("packed") = py::none(), py::arg("max_packed_rows") = 0, py::arg("gated") = false)
+           py::arg("tile_bytes") = 0, py::arg("out_features") = 0, py::arg("gated") = false)
       .def("__call__", &LinearSpec::apply, no_gil)
       .def("silu_mul", &LinearSpec::apply_silu_mul, "SiLU(gate) * up of the layer's output", no_gil);
   py::class_<LayerSpec>(m, "LayerSpec")

@@ -120,24 +120,34 @@ inline void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
+// Nothing to do between the chunks of amx_2x2.
+struct NoChunkWork {
+  void operator()(int64_t) const {}
+};
+
 // The 2 x 2 bf16 tile multiply over `chunks` steps of 32 inputs: C[2 i + j] = sum_c A_i(c) B_j(c) for
 // i < na A tiles (tile c of A_i at a[i] + c * a_step values, its 16 rows `a_stride` bytes apart)
 // and j < nb B tiles (VNNI, tile c of B_j the 1 KB at b[j] + c * 512). Four independent
 // accumulators (tiles 0-3; A in 4, 5, B in 6, 7), so the multiplies overlap; each C tile (16 x 16
 // float32) is stored at cbuf + (2 i + j) * 256. The tiles must be configured (configure_tiles).
+// B0 is loaded first and A1 before B1 (the last multiply's operands last): with B from L2 this
+// order ran 13% faster than A0, B0, B1, A1. `each_chunk(c)` runs after chunk c's multiplies are
+// issued: vector work placed there (the previous result's conversion, say) overlaps the tile unit's.
+template <typename F = NoChunkWork>
 inline void amx_2x2(const uint16_t* const a[2], int64_t a_step, int64_t a_stride, int na, const uint16_t* const b[2],
-                    int nb, int64_t chunks, float* cbuf) {
+                    int nb, int64_t chunks, float* cbuf, const F& each_chunk = {}) {
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
   for (int64_t c = 0; c < chunks; ++c) {
-    _tile_loadd(4, a[0] + c * a_step, a_stride);
     _tile_loadd(6, b[0] + c * 512, 64);
+    _tile_loadd(4, a[0] + c * a_step, a_stride);
     _tile_dpbf16ps(0, 4, 6);
-    if (nb > 1) { _tile_loadd(7, b[1] + c * 512, 64); _tile_dpbf16ps(1, 4, 7); }
-    if (na > 1) {
-      _tile_loadd(5, a[1] + c * a_step, a_stride);
-      _tile_dpbf16ps(2, 5, 6);
-      if (nb > 1) _tile_dpbf16ps(3, 5, 7);
+    if (na > 1) { _tile_loadd(5, a[1] + c * a_step, a_stride); _tile_dpbf16ps(2, 5, 6); }
+    if (nb > 1) {
+      _tile_loadd(7, b[1] + c * 512, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      if (na > 1) _tile_dpbf16ps(3, 5, 7);
     }
+    each_chunk(c);
   }
   _tile_stored(0, cbuf, 64);
   if (nb > 1) _tile_stored(1, cbuf + 256, 64);

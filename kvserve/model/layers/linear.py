@@ -17,6 +17,9 @@ from kvserve.model.quant.registry import CheckpointTensor, QuantMethod, get_quan
 class Linear(torch.nn.Module):
     """y = x W^T (+ b). ``shards`` names the checkpoint tensors stacked into this weight, if any."""
 
+    # Whether rows of W are looked up (token embeddings): a method must then keep W as stored.
+    row_lookup = False
+
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  shards: dict[str, tuple[int, int]] | None = None, gated: bool = False) -> None:
         super().__init__()
@@ -73,6 +76,8 @@ class Linear(torch.nn.Module):
 
 class VocabEmbedding(Linear):
     """Token embedding [vocab, hidden]; ``project`` uses it as the tied output head."""
+
+    row_lookup = True
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
         super().__init__(hidden_size, vocab_size, False, dtype)

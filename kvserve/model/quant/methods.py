@@ -26,13 +26,11 @@ from kvserve.model.quant.registry import CheckpointTensor, QuantMethod, register
 # 8-128 rows); beyond _MAX_AMX_ROWS (prefill) L2-sized dequantized tiles + at::mm.
 _MAX_FUSED_ROWS = {torch.float32: 64, torch.bfloat16: 3, torch.float16: 4}
 _MAX_AMX_ROWS = 256
-# Dense bf16 W on a CPU with AMX: a second copy of W in AMX tiles (layers/csrc/packed_linear.cpp) for
-# up to _MAX_PACKED_ROWS rows of x, oneDNN on W itself beyond. Over the default model's 30 layers
-# (2 threads, weights cold) the packed kernel took 17-18 ms at 64 rows (W as it is: 23-24 ms),
-# 42 at 256 (oneDNN 65), 110-137 at 1024 (145-157), but 220-330 at 2048 (oneDNN 190-215), hence
-# the limit, and the copy: prefill steps of 2048 tokens stay on oneDNN.
-_MAX_PACKED_ROWS = 1024
-_MAX_DENSE_FUSED_ROWS = 4  # dense bf16 W without the packed copy: the fused kernel up to here, then oneDNN
+# Dense bf16 W on a CPU with AMX: W is kept only in the AMX tile layout (layers/csrc/packed_linear.cpp),
+# packed at load; its kernel serves every number of rows. Over the default model's 30 layers (2
+# threads, weights cold, SiLU * up included) it took 22.6 ms at 64 rows of x, 51-55 at 256, 133 at
+# 1,024, 218 at 2,048 (oneDNN on W as stored: 273), 421 at 4,096 (538), 869 at 8,192 (1,837).
+_MAX_DENSE_FUSED_ROWS = 4  # dense bf16 W without AMX: the fused kernel up to here, then oneDNN
 _TILE_BYTES = 1 << 21  # a dequantized tile of W that stays in L2 while at::mm reads it
 _LOAD_CHUNK_VALUES = 1 << 18
 
@@ -74,30 +72,33 @@ class Dense(QuantMethod):
         w = layer.weight
         kernels = load_quant_kernels() if w.device.type == "cpu" and w.dtype == torch.bfloat16 else None
         if kernels is not None and layer.in_features % 32 == 0 and kernels.packed_linear_supported():
-            # A gated layer's copy computes SiLU(gate) * up itself (project_silu_mul), and only that.
+            # A gated layer's copy can also write SiLU(gate) * up itself (project_silu_mul).
             layer.packed_gated = layer.gated and layer.out_features % 32 == 0
             layer.register_buffer("weight_packed", kernels.pack_bf16_weight(w.data.contiguous(), layer.packed_gated))
+            if not layer.row_lookup:  # the packed copy serves every product; only embeddings read rows of W
+                del layer.weight
 
-    def _packed(self, layer, x: torch.Tensor, gated: bool) -> torch.Tensor | None:
-        """x through the packed copy (SiLU(gate) * up if ``gated``), or None where it does not apply."""
+    def _packed(self, layer, x: torch.Tensor, silu_mul: bool) -> torch.Tensor | None:
+        """x through the packed copy (SiLU(gate) * up if ``silu_mul``), or None if the layer has none."""
         packed = layer._buffers.get("weight_packed")
-        if packed is None or layer.packed_gated != gated or x.device.type != "cpu" or x.dtype != torch.bfloat16:
+        if packed is None:
             return None
+        if x.device.type != "cpu" or x.dtype != torch.bfloat16:
+            raise ValueError(f"this layer's weight is packed for bfloat16 inputs on the CPU, got {x.dtype} on {x.device}")
         flat = x if x.dim() == 2 else x.reshape(-1, layer.in_features)
-        if flat.shape[0] > _MAX_PACKED_ROWS:
-            return None
-        y = load_quant_kernels().packed_linear(flat.contiguous(), packed, layer.out_features, gated)
+        y = load_quant_kernels().packed_linear(flat.contiguous(), packed, layer.out_features, layer.packed_gated,
+                                               silu_mul)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
     def apply_silu_mul(self, layer, x: torch.Tensor) -> torch.Tensor:
-        y = self._packed(layer, x, gated=True)
+        y = self._packed(layer, x, silu_mul=True) if layer.packed_gated else None
         return y if y is not None else super().apply_silu_mul(layer, x)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        w = layer._parameters["weight"]  # not layer.weight: nn.Module's attribute lookup costs µs per call
-        y = self._packed(layer, x, gated=False)
+        y = self._packed(layer, x, silu_mul=False)
         if y is not None:
             return y
+        w = layer._parameters["weight"]  # not layer.weight: nn.Module's attribute lookup costs µs per call
         if x.device.type == "cpu" and w.dtype == torch.bfloat16 and layer.in_features % 32 == 0:
             flat = x if x.dim() == 2 else x.reshape(-1, layer.in_features)
             kernels = load_quant_kernels() if flat.shape[0] <= _MAX_DENSE_FUSED_ROWS else None
@@ -107,12 +108,13 @@ class Dense(QuantMethod):
         return F.linear(x, w)
 
     def kernel_spec(self, layer, kernels):
-        w = layer._parameters["weight"]
         bias = layer.bias
+        packed = layer._buffers.get("weight_packed")
+        if packed is not None:
+            return kernels.LinearSpec(3, packed, bias=bias, out_features=layer.out_features, gated=layer.packed_gated)
+        w = layer._parameters["weight"]
         if w.dtype == torch.bfloat16 and layer.in_features % 32 == 0:
-            return kernels.LinearSpec(0, w, bias=bias, max_fused_rows=_MAX_DENSE_FUSED_ROWS,
-                                      packed=layer._buffers.get("weight_packed"), max_packed_rows=_MAX_PACKED_ROWS,
-                                      gated=layer.packed_gated)
+            return kernels.LinearSpec(0, w, bias=bias, max_fused_rows=_MAX_DENSE_FUSED_ROWS)
         return kernels.LinearSpec(2, w, bias=bias)
 
     def embed(self, layer, ids: torch.Tensor) -> torch.Tensor:

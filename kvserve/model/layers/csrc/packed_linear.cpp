@@ -13,15 +13,20 @@
 // channels x one input pair, multiplied by that pair of x broadcast, so each accumulator lane is
 // one output channel and nothing is reduced across lanes.
 //
-// "Gated": the fused gate/up projection of an MLP, W = [W_gate; W_up] (N/2 rows each), whose output
-// only ever goes into SiLU(gate) * up. Its strips are stored alternately, gate strip i then up strip
-// i, so the two accumulators of a strip pair hold matching gate and up channels and the kernel
-// writes SiLU(gate) * up [M, N/2] directly (rounded as silu_mul rounds: bitwise the same result),
-// instead of [M, N] that silu_mul then reads back from memory.
+// "Gated": the fused gate/up projection of an MLP, W = [W_gate; W_up] (N/2 rows each). Its strips
+// are stored alternately, gate strip i then up strip i, so the two accumulators of a strip pair hold
+// matching gate and up channels and the kernel can write SiLU(gate) * up [M, N/2] directly (rounded
+// as silu_mul rounds: bitwise the same result) instead of [M, N] that silu_mul then reads back from
+// memory. It can also write the plain [M, N] projection, each strip to its own channels.
+//
+// The packed copy is the only copy of W kept at load (except for token embeddings, looked up by
+// row): this kernel serves every number of rows.
 #include "kernels.h"
 #include "simd.h"
 
 #include <ATen/ATen.h>
+
+#include <algorithm>
 
 #if defined(KVSERVE_AMX)
 namespace {
@@ -31,13 +36,14 @@ using simd::aligned_vector;
 constexpr int64_t kTile = 512;         // bf16 values per 16 x 32 tile
 constexpr int64_t kMaxVectorRows = 4;  // up to here AVX512-BF16, beyond AMX
 constexpr int64_t kPrefetchValues = 2048;  // 4 KB ahead in each strip's stream (2 and 8 KB: slower)
-// Many rows of x (prefill): the work is cut into passes of kRowsPerPass rows over groups of strip
-// pairs holding ~kGroupBytes of W, a group's passes one after the other, so the group stays in L2
-// while x goes by a pass at a time. Work items run group by group, pass by pass, pair by pair.
-// 128-256 rows and 1 MB were the best of 128-1024 rows and 0.25-4 MB at 512-2048 rows (the default
-// model's 30 layers, 2 threads); one pass of all rows was 30-50% slower at 2048.
-constexpr int64_t kRowsPerPass = 256;
+// Many rows of x (prefill, large decode batches): W is cut into groups of strip pairs holding
+// ~kGroupBytes, and a work item is one group against one block of 32 rows of x: the block's A tiles
+// stay in L1 while the group's strips stream from L2, and the group stays in L2 for the next block.
+// Up to kFewRowBlocks blocks (128 rows) the work is bound by reading W instead: the groups are then
+// small (about four per thread) and a thread takes all of a group's blocks, so W is read once.
+// 1 MB was the best group of 128 KB-1.5 MB (1,024 rows, one thread, K = 576 and 1,536).
 constexpr int64_t kGroupBytes = int64_t{1} << 20;
+constexpr int64_t kFewRowBlocks = 4;
 
 // Tile (s, c) of W from 16 rows x 32 inputs: 16 x 16 transpose of input pairs (32-bit elements).
 void pack_tile(const uint16_t* w, int64_t k, int64_t rows, uint16_t* out) {
@@ -47,20 +53,23 @@ void pack_tile(const uint16_t* w, int64_t k, int64_t rows, uint16_t* out) {
   for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + i * 32, r[i]);
 }
 
-// Where a kernel's accumulators go: y [M, n] in bf16, or for a gated weight SiLU(gate) * up [M, n / 2].
+// Where a kernel's accumulators go: y [M, n] in bf16, or for a gated weight with silu_mul set
+// SiLU(gate) * up [M, n / 2].
 struct Output {
   c10::BFloat16* y;
-  int64_t n;  // W's rows
-  bool gated;
+  int64_t n;      // W's rows
+  bool gated;     // W packed with gate and up strips alternating (pack_bf16_weight's `gated`)
+  bool silu_mul;  // gated only: write SiLU(gate) * up instead of y
   // Row `row`'s 16 channels of strip s (channels past n dropped), from float32 sums.
   void store(int64_t row, int64_t s, __m512 v) const {
-    const int64_t cols = std::min<int64_t>(16, n - s * 16);
+    const int64_t col = gated ? (s % 2) * (n / 2) + (s / 2) * 16 : s * 16;
+    const int64_t cols = std::min<int64_t>(16, n - col);
     const __mmask16 mask = cols == 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
-    _mm256_mask_storeu_epi16(y + row * n + s * 16, mask, (__m256i)_mm512_cvtneps_pbh(v));
+    _mm256_mask_storeu_epi16(y + row * n + col, mask, (__m256i)_mm512_cvtneps_pbh(v));
   }
-  // Gated: row `row`'s channels of strip pair p, from the gate and up sums (rounded to bf16 first,
+  // silu_mul: row `row`'s channels of strip pair p, from the gate and up sums (rounded to bf16 first,
   // as the unfused projection's output would be).
-  void store_gated(int64_t row, int64_t p, __m512 gate, __m512 up) const {
+  void store_silu_mul(int64_t row, int64_t p, __m512 gate, __m512 up) const {
     const __m512 g = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(gate)), u = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(up));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + row * (n / 2) + p * 16), silu_mul16_bf16(g, u));
   }
@@ -89,9 +98,9 @@ void vector_strips(const uint16_t* w, const uint16_t* x, int64_t k, const Output
     }
   }
   for (int m = 0; m < MB; ++m) {
-    if (out.gated) {
+    if (out.silu_mul) {
       if constexpr (G % 2 == 0)
-        for (int g = 0; g < G; g += 2) out.store_gated(m, (s + g) / 2, acc[g][m], acc[g + 1][m]);
+        for (int g = 0; g < G; g += 2) out.store_silu_mul(m, (s + g) / 2, acc[g][m], acc[g + 1][m]);
     } else {
       for (int g = 0; g < G; ++g) out.store(m, s + g, acc[g][m]);
     }
@@ -120,9 +129,32 @@ void vector_linear(const at::Tensor& x, const uint16_t* w, const Output& out) {
   });
 }
 
+// One 32-row block's result for one strip pair, in a C buffer (amx_2x2's layout: C[2 * block +
+// strip]), to be converted and stored while the next block's multiplies run: done after the
+// multiplies, the conversion left the tile unit idle for a quarter of the time at 1,024 rows.
+struct PendingBlock {
+  const float* c = nullptr;
+  int64_t row0 = 0, pair = 0;
+  int rows[2] = {0, 0};  // rows of y in each 16-row block (0: no such block)
+  int strips = 0;
+
+  void store(const Output& out, int q0, int q1) const {  // rows [q0, q1) of the 32
+    for (int q = q0; q < q1; ++q) {
+      const int i = q / 16, r = q % 16;
+      if (r >= rows[i]) continue;
+      const float* ci = c + 2 * i * 256 + r * 16;
+      if (out.silu_mul) {
+        out.store_silu_mul(row0 + q, pair, _mm512_load_ps(ci), _mm512_load_ps(ci + 256));
+      } else {
+        for (int s = 0; s < strips; ++s) out.store(row0 + q, 2 * pair + s, _mm512_load_ps(ci + s * 256));
+      }
+    }
+  }
+};
+
 void amx_linear(const at::Tensor& x, const uint16_t* w, const Output& out) {
   const int64_t m = x.size(0), k = x.size(1), chunks = k / 32, strips = (out.n + 15) / 16, pairs = (strips + 1) / 2;
-  const int64_t full = m / 16 * 16, blocks16 = (m + 15) / 16;
+  const int64_t full = m / 16 * 16, blocks = (m + 31) / 32;
   const uint16_t* xp = static_cast<const uint16_t*>(x.data_ptr());
   // The last block of rows if m is not a multiple of 16: copied into 16 zero-padded rows, since a tile
   // load reads all 16 (past the end of x otherwise). The calling thread's buffer; workers get a pointer.
@@ -132,37 +164,37 @@ void amx_linear(const at::Tensor& x, const uint16_t* w, const Output& out) {
     std::copy(xp + full * k, xp + m * k, tail.data());
   }
   const uint16_t* tailp = tail.data();
-  const int64_t passes = (m + kRowsPerPass - 1) / kRowsPerPass;
-  const int64_t group = std::max<int64_t>(1, std::min<int64_t>(pairs, kGroupBytes / (k * 64)));
+  const bool few_rows = blocks <= kFewRowBlocks;
+  const int64_t group = few_rows ? std::max<int64_t>(1, pairs / (4 * at::get_num_threads()))
+                                 : std::clamp<int64_t>(kGroupBytes / (k * 64), 1, pairs);
   const int64_t groups = (pairs + group - 1) / group;
-  parallel_for_dynamic(0, groups * passes * group, 1, [&](int64_t i0, int64_t i1) {
+  const int per_chunk = static_cast<int>((32 + chunks - 1) / chunks);  // pending rows converted per chunk
+  parallel_for_dynamic(0, groups * blocks, few_rows ? blocks : 1, [&](int64_t i0, int64_t i1) {
     simd::configure_tiles();
-    alignas(64) float cbuf[4 * 256];
+    alignas(64) float cbuf[2][4 * 256];
+    PendingBlock pending;
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t g = item / (passes * group), pass = item / group % passes, pair = g * group + item % group;
-      if (pair >= pairs) continue;
-      const int64_t s0 = pair * 2;
-      const int strips_here = static_cast<int>(std::min<int64_t>(2, strips - s0));
-      const int64_t b_end = std::min(blocks16, (pass + 1) * kRowsPerPass / 16);
-      for (int64_t b = pass * kRowsPerPass / 16; b < b_end; b += 2) {
-        const int blocks = static_cast<int>(std::min<int64_t>(2, b_end - b));
-        const uint16_t* a[2] = {nullptr, nullptr};
-        for (int i = 0; i < blocks; ++i) a[i] = (b + i) * 16 == full ? tailp : xp + (b + i) * 16 * k;
-        const uint16_t* b_tiles[2] = {w + s0 * chunks * kTile, w + (s0 + 1) * chunks * kTile};
-        simd::amx_2x2(a, 32, 2 * k, blocks, b_tiles, strips_here, chunks, cbuf);  // C[2 * block + strip]
-        for (int i = 0; i < blocks; ++i) {
-          const int64_t row0 = (b + i) * 16, rows = std::min<int64_t>(16, m - row0);
-          const float* c0 = cbuf + 2 * i * 256;  // C tiles of this block: strip s0 (c0), s0 + 1 (c0 + 256)
-          for (int64_t r = 0; r < rows; ++r) {
-            if (out.gated) {
-              out.store_gated(row0 + r, pair, _mm512_load_ps(c0 + r * 16), _mm512_load_ps(c0 + 256 + r * 16));
-            } else {
-              for (int s = 0; s < strips_here; ++s) out.store(row0 + r, s0 + s, _mm512_load_ps(c0 + s * 256 + r * 16));
-            }
-          }
-        }
+      const int64_t g = item / blocks, row0 = item % blocks * 32;
+      const uint16_t* a[2] = {nullptr, nullptr};
+      int rows[2] = {0, 0}, na = 0;
+      for (; na < 2 && row0 + 16 * na < m; ++na) {
+        const int64_t r = row0 + 16 * na;
+        a[na] = r == full ? tailp : xp + r * k;
+        rows[na] = static_cast<int>(std::min<int64_t>(16, m - r));
+      }
+      for (int64_t pair = g * group; pair < std::min(pairs, (g + 1) * group); ++pair) {
+        const int64_t s0 = pair * 2;
+        const int strips_here = static_cast<int>(std::min<int64_t>(2, strips - s0));
+        const uint16_t* b[2] = {w + s0 * chunks * kTile, w + (s0 + 1) * chunks * kTile};
+        float* c = cbuf[pending.c == cbuf[0] ? 1 : 0];
+        simd::amx_2x2(a, 32, 2 * k, na, b, strips_here, chunks, c, [&](int64_t chunk) {
+          const int q0 = static_cast<int>(chunk) * per_chunk;
+          if (pending.c != nullptr && q0 < 32) pending.store(out, q0, std::min(32, q0 + per_chunk));
+        });
+        pending = PendingBlock{c, row0, pair, {rows[0], rows[1]}, strips_here};
       }
     }
+    if (pending.c != nullptr) pending.store(out, 0, 32);
     _tile_release();
   });
 }
@@ -200,7 +232,7 @@ at::Tensor pack_bf16_weight(const at::Tensor& weight, bool gated) {
   return out;
 }
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool gated) {
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool gated, bool silu_mul) {
   TORCH_CHECK(packed_linear_supported(), "the packed bf16 layout needs AMX");
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
                   packed.size(2) == 16 && packed.size(3) == 32 && n > 0 && (n + 15) / 16 == packed.size(0),
@@ -209,10 +241,11 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
               "x must be a contiguous bfloat16 [M, K] matrix, K = ", packed.size(1) * 32);
   TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0, "packed must start on a cache line");
   TORCH_CHECK(!gated || n % 32 == 0, "a gated weight has N a multiple of 32");
-  at::Tensor y = at::empty({x.size(0), gated ? n / 2 : n}, x.options());
+  TORCH_CHECK(gated || !silu_mul, "silu_mul needs a weight packed as gated");
+  at::Tensor y = at::empty({x.size(0), silu_mul ? n / 2 : n}, x.options());
 #if defined(KVSERVE_AMX)
   const uint16_t* w = static_cast<const uint16_t*>(packed.data_ptr());
-  const Output out{y.data_ptr<c10::BFloat16>(), n, gated};
+  const Output out{y.data_ptr<c10::BFloat16>(), n, gated, silu_mul};
   if (x.size(0) == 0) return y;
   if (x.size(0) <= kMaxVectorRows) vector_linear(x, w, out);
   else amx_linear(x, w, out);

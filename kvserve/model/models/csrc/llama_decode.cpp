@@ -12,8 +12,7 @@
 
 at::Tensor LinearSpec::apply(const at::Tensor& x) const {
   at::Tensor y;
-  if (kind == kDense && packed.has_value() && !gated && x.size(0) <= max_packed_rows)
-    y = packed_linear(x, *packed, weight.size(0), false);
+  if (kind == kPacked) y = packed_linear(x, weight, out_features, gated, false);
   else if (kind == kDense && x.size(0) <= max_fused_rows) y = dense_linear(x, weight, max_fused_rows);
   else if (kind == kQuant) y = quant_linear(x, weight, *scales, zeros, factors, group, bits, max_fused_rows,
                                             max_amx_rows, tile_bytes);
@@ -22,8 +21,7 @@ at::Tensor LinearSpec::apply(const at::Tensor& x) const {
 }
 
 at::Tensor LinearSpec::apply_silu_mul(const at::Tensor& x) const {
-  if (kind == kDense && packed.has_value() && gated && !bias.has_value() && x.size(0) <= max_packed_rows)
-    return packed_linear(x, *packed, weight.size(0), true);
+  if (kind == kPacked && gated && !bias.has_value()) return packed_linear(x, weight, out_features, true, true);
   return silu_mul(apply(x));
 }
 
