@@ -67,6 +67,10 @@ struct Output {
     const __mmask16 mask = cols == 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
     _mm256_mask_storeu_epi16(y + row * n + col, mask, (__m256i)_mm512_cvtneps_pbh(v));
   }
+  // Not gated: row `row`'s 32 channels of strip pair p, all below n.
+  void store_pair(int64_t row, int64_t p, __m512 v0, __m512 v1) const {
+    _mm512_storeu_si512(y + row * n + p * 32, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
+  }
   // silu_mul: row `row`'s channels of strip pair p, from the gate and up sums (rounded to bf16 first,
   // as the unfused projection's output would be).
   void store_silu_mul(int64_t row, int64_t p, __m512 gate, __m512 up) const {
@@ -145,6 +149,8 @@ struct PendingBlock {
       const float* ci = c + 2 * i * 256 + r * 16;
       if (out.silu_mul) {
         out.store_silu_mul(row0 + q, pair, _mm512_load_ps(ci), _mm512_load_ps(ci + 256));
+      } else if (strips == 2 && !out.gated && (pair + 1) * 32 <= out.n) {  // one 64-byte store
+        out.store_pair(row0 + q, pair, _mm512_load_ps(ci), _mm512_load_ps(ci + 256));
       } else {
         for (int s = 0; s < strips; ++s) out.store(row0 + q, 2 * pair + s, _mm512_load_ps(ci + s * 256));
       }
