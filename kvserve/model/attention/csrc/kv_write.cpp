@@ -107,10 +107,13 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& 
     const auto* v_base = static_cast<const char*>(v.data_ptr());
     const int64_t half_bytes = num_slots * row_bytes, k_step = k.stride(0) * k.element_size(),
                   v_step = v.stride(0) * v.element_size();
-    for (int64_t t = 0; t < tokens; ++t) {
-      std::memcpy(base + slot[t] * row_bytes, k_base + t * k_step, row_bytes);
-      std::memcpy(base + half_bytes + slot[t] * row_bytes, v_base + t * v_step, row_bytes);
-    }
+    // Two threads for a prefill's rows (a decode step's few rows are not worth the wake-up).
+    parallel_for_dynamic(0, tokens, 256, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        std::memcpy(base + slot[t] * row_bytes, k_base + t * k_step, row_bytes);
+        std::memcpy(base + half_bytes + slot[t] * row_bytes, v_base + t * v_step, row_bytes);
+      }
+    });
     return;
   }
   // int8 / fp8 rows: D one-byte values and a float16 scale per (token, head), computed exactly as

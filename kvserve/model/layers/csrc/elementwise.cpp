@@ -119,7 +119,10 @@ inline __m512 exp16_nonpositive(__m512 x) {
 inline __m512 silu16(__m512 x) {
   const __m512 e = exp16_nonpositive(_mm512_min_ps(x, _mm512_sub_ps(_mm512_setzero_ps(), x)));  // exp(-|x|)
   const __m512 num = _mm512_mask_mul_ps(x, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LE_OQ), x, e);
-  return _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+  // num / d by a 14-bit reciprocal and one Newton step (~2^-28 relative error, below float32's
+  // rounding): a 16-wide division costs ~16 cycles, a sixth of a 2,048-token SiLU * up.
+  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), e), r = _mm512_rcp14_ps(d);
+  return _mm512_mul_ps(num, _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f))));
 }
 constexpr int64_t kVec = 16;
 #else
