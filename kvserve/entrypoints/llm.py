@@ -62,7 +62,7 @@ class LLM:
     ``model`` is a Hugging Face folder, a .gguf file, or None for the bundled SmolLM2-135M-Instruct.
     Options (defaults in kvserve/config.py): block_size=16, num_kv_blocks=None (size the pool from
     kv_cache_memory_bytes=1 GiB), enable_prefix_caching=True, max_num_seqs=64,
-    max_num_batched_tokens=2048, max_model_len=None, scheduling_policy="shortest-first" ("fcfs"),
+    max_num_batched_tokens=1024, max_model_len=None, scheduling_policy="shortest-first" ("fcfs"),
     speculative_method=None ("ngram" | "draft"),
     num_speculative_tokens=4, speculative_model, speculative_ngram_min=1, speculative_ngram_max=4,
     speculative_max_batch_size=8, quantization=None (keep a GGUF file's block quantization; "none",
