@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvserve.model import huge_pages
 from kvserve.model.attention.backend import AttentionMetadata, register_backend
 from kvserve.model.attention.kv_quant import kv_quant_format
 from kvserve.model.cpu_kernels import load_kernels
@@ -45,8 +44,7 @@ class TorchAttentionBackend:
             return self.kv_format.allocate(num_blocks, block_size, num_kv_heads, head_dim, device)
         # Zeroed, not empty: padded block-table entries and unwritten slots are read under a mask,
         # and a masked 0 weight times a garbage NaN would still poison the output.
-        # On huge pages (CPU): a prefill's K/V rows land in scattered blocks of a GB-sized cache.
-        return huge_pages.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        return torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
 
     def fused_cache_kind(self, device: torch.device) -> int | None:
         """The cache kind a fused C++ decode step (models/llama_decode.py) passes to the paged kernel
