@@ -118,11 +118,13 @@ def _add(request_id: str) -> tuple:
     return ("add", request_id, [5], GREEDY, 0.0)
 
 
-def _idle_client(monkeypatch, quiet_s: float, max_wait_s: float) -> tuple[AsyncEngineClient, _RecordingEngine]:
+def _idle_client(monkeypatch, quiet_s: float, max_wait_s: float,
+                 gap_s: float | None = None) -> tuple[AsyncEngineClient, _RecordingEngine]:
     """A client (never started) whose command handling runs against a recording engine."""
     import kvserve.frontend.client as client_module
 
     monkeypatch.setattr(client_module, "BURST_QUIET_S", quiet_s)
+    monkeypatch.setattr(client_module, "BURST_GAP_S", quiet_s if gap_s is None else gap_s)
     monkeypatch.setattr(client_module, "BURST_MAX_WAIT_S", max_wait_s)
     client = AsyncEngineClient(_config("unused"))
     monkeypatch.setattr(client, "_publish", lambda engine, outputs=None: None)
@@ -146,6 +148,26 @@ def test_an_idle_engine_takes_in_the_rest_of_a_burst_before_stepping(monkeypatch
     start = time.perf_counter()
     assert client._handle_commands(engine, block=False)
     assert engine.added[-1] == "third" and time.perf_counter() - start < 0.4
+
+
+def test_a_burst_widens_the_quiet_window(monkeypatch):
+    import threading
+
+    # A lone request steps after 0.05 s of quiet; once a second has come, a 0.3 s gap is waited out.
+    client, engine = _idle_client(monkeypatch, quiet_s=0.05, max_wait_s=10.0, gap_s=1.0)
+    client._commands.put(_add("first"))
+    client._commands.put(_add("second"))
+    threading.Timer(0.3, lambda: client._commands.put(_add("third"))).start()
+    assert client._handle_commands(engine, block=True)
+    assert engine.added == ["first", "second", "third"]
+
+    lone, engine = _idle_client(monkeypatch, quiet_s=0.05, max_wait_s=10.0, gap_s=1.0)
+    lone._commands.put(_add("alone"))
+    later = threading.Timer(0.5, lambda: lone._commands.put(_add("later")))
+    later.start()
+    assert lone._handle_commands(engine, block=True)
+    later.join()
+    assert engine.added == ["alone"]  # a single request did not wait for the wide window
 
 
 def test_the_burst_wait_is_capped(monkeypatch):
@@ -172,3 +194,51 @@ def test_the_burst_wait_is_capped(monkeypatch):
         feeder.join()
     assert 0.15 < time.perf_counter() - start < 1.0  # stepped after the cap, not after a quiet second
     assert len(engine.added) > 1
+
+
+def test_an_idle_engine_waits_for_requests_still_in_the_http_layer(monkeypatch):
+    import threading
+
+    client, engine = _idle_client(monkeypatch, quiet_s=0.02, max_wait_s=10.0)
+    arrival = client.incoming.arrived()  # a second request is being parsed
+    client._commands.put(_add("first"))
+
+    def submit_second():
+        client._commands.put(_add("second"))
+        arrival.handed_over()
+
+    late = threading.Timer(0.3, submit_second)  # far past the quiet window
+    late.start()
+    assert client._handle_commands(engine, block=True)
+    assert engine.added == ["first", "second"] and client.incoming.count == 0
+
+
+def test_the_middleware_counts_a_request_until_it_is_handed_over_or_answered():
+    import asyncio
+
+    from kvserve.entrypoints.openai.app import CountIncoming
+    from kvserve.frontend.client import IncomingRequests
+
+    incoming = IncomingRequests()
+    seen = []
+
+    async def handler(scope, receive, send):  # submits, then fails: counted once, released once
+        seen.append(incoming.count)
+        scope["state"]["arrival"].handed_over()
+        seen.append(incoming.count)
+        raise RuntimeError("boom")
+
+    async def refused(scope, receive, send):  # answered (400) without submitting
+        seen.append(incoming.count)
+
+    async def run(app, path, method="POST"):
+        scope = {"type": "http", "method": method, "path": path}
+        try:
+            await CountIncoming(app, incoming)(scope, None, None)
+        except RuntimeError:
+            pass
+
+    asyncio.run(run(handler, "/v1/completions"))
+    asyncio.run(run(refused, "/v1/chat/completions"))
+    asyncio.run(run(refused, "/v1/models", method="GET"))  # not a generation request: not counted
+    assert seen == [1, 0, 1, 0] and incoming.count == 0

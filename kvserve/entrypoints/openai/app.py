@@ -23,7 +23,7 @@ from kvserve.entrypoints.openai.errors import APIError, error_response, install_
 from kvserve.entrypoints.openai.models import list_models
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.entrypoints.openai.serving import ClientDisconnected, ServerState
-from kvserve.frontend.client import AsyncEngineClient
+from kvserve.frontend.client import AsyncEngineClient, IncomingRequests
 from kvserve.metrics.prometheus import CONTENT_TYPE, PrometheusMetrics
 from kvserve.metrics.stats import StatsCollector
 
@@ -108,6 +108,29 @@ async def version() -> JSONResponse:
     return JSONResponse({"version": kvserve.__version__})
 
 
+class CountIncoming:
+    """ASGI middleware: counts each generation request from the moment the server takes it in until
+    its handler has submitted it (serving.submit_all) or it is answered, so that an idle engine can
+    wait for the rest of a burst whose bodies are still being parsed (frontend/client.py)."""
+
+    PATHS = ("/v1/completions", "/v1/chat/completions")
+
+    def __init__(self, app, incoming: IncomingRequests) -> None:
+        self.app = app
+        self.incoming = incoming
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.PATHS:
+            await self.app(scope, receive, send)
+            return
+        arrival = self.incoming.arrived()
+        scope.setdefault("state", {})["arrival"] = arrival
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            arrival.handed_over()
+
+
 def build_app(config: EngineConfig, options: ServerOptions) -> FastAPI:
     """An app with its own engine client and metrics registry; the engine starts with the app."""
     metrics = PrometheusMetrics(options.model_names[0])
@@ -125,6 +148,7 @@ def build_app(config: EngineConfig, options: ServerOptions) -> FastAPI:
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan)
     app.state.kvserve = state
     install_error_handlers(app)
+    app.add_middleware(CountIncoming, incoming=client.incoming)
     app.include_router(v1)
     app.include_router(plain)
     return app

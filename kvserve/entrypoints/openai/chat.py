@@ -42,7 +42,7 @@ async def create_chat_completion(req: ChatCompletionRequest, state: ServerState,
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = serving.build_params(req, info, max_tokens, logprobs=logprobs, renames=_RENAMES)
     job = _Job(serving.new_id("chatcmpl"), model, int(time.time()), req)
-    streams = serving.submit_all(state.client, job.request_id, [prompt], params)
+    streams = serving.submit_all(state.client, job.request_id, [prompt], params, request)
     text_of = state.token_text()
     if req.stream:
         return StreamingResponse(_stream(job, streams, text_of), media_type="text/event-stream")

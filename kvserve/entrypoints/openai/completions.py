@@ -41,7 +41,7 @@ async def create_completion(req: CompletionRequest, state: ServerState, request:
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
     params = serving.build_params(req, info, max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
     job = _Job(serving.new_id("cmpl"), model, int(time.time()), prompts, req)
-    streams = serving.submit_all(state.client, job.request_id, prompts, params)
+    streams = serving.submit_all(state.client, job.request_id, prompts, params, request)
     text_of = state.token_text()
     if req.stream:
         return StreamingResponse(_stream(job, streams, text_of), media_type="text/event-stream")

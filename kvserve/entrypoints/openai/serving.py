@@ -98,8 +98,8 @@ def check_prompt(info: ModelInfo, token_ids: list[int], param: str) -> None:
         raise bad_request(f"{param}: {e}", param) from None
 
 
-def submit_all(client: AsyncEngineClient, request_id: str, prompts: list[list[int]],
-               params: SamplingParams) -> list[RequestStream]:
+def submit_all(client: AsyncEngineClient, request_id: str, prompts: list[list[int]], params: SamplingParams,
+               request: Request) -> list[RequestStream]:
     """Queue one engine request per prompt; if any is refused (e.g. the queue is full), abort the rest."""
     streams: list[RequestStream] = []
     try:
@@ -108,6 +108,10 @@ def submit_all(client: AsyncEngineClient, request_id: str, prompts: list[list[in
     except BaseException:
         close_all(streams)
         raise
+    finally:
+        arrival = getattr(request.state, "arrival", None)  # counted by the app's CountIncoming middleware
+        if arrival is not None:
+            arrival.handed_over()
     return streams
 
 
