@@ -92,8 +92,9 @@ class Dense(QuantMethod):
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
     def apply_silu_mul(self, layer, x: torch.Tensor) -> torch.Tensor:
-        y = self._packed(layer, x, silu_mul=True) if layer.packed_gated else None
-        return y if y is not None else super().apply_silu_mul(layer, x)
+        if layer.packed_gated:  # its packed copy writes SiLU(gate) * up itself
+            return self._packed(layer, x, silu_mul=True)
+        return super().apply_silu_mul(layer, x)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         y = self._packed(layer, x, silu_mul=False)

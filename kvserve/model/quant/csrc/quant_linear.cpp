@@ -633,7 +633,7 @@ at::Tensor tiled_any(const QuantWeight& w, const at::Tensor& x, int64_t tile_byt
 // W beyond one 16-channel strip, no per-call weight reordering, which dominates at::mm for few rows).
 // x^T is the B operand (VNNI pairs), built once per call: x is small. Two strips of W against one or
 // two blocks of 16 rows of x at a time (simd::amx_2x2, C[2 * strip + block]). A dense bf16 W has its
-// own kernel (layers/csrc/packed_linear.cpp) on a copy of W stored as B tiles.
+// own kernel (layers/csrc/packed_linear.cpp), on W stored as B tiles at load.
 #if defined(KVSERVE_AMX)
 using simd::amx_ready;
 using simd::configure_tiles;
