@@ -1,4 +1,4 @@
-"""The AMX-packed bf16 linear (layers/csrc/packed_linear.cpp) against torch, and the dense method's
+"""The packed bf16 linear (layers/csrc/packed_linear.cpp) against torch, and the dense method's
 use of it: W is packed at load and kept only packed (embeddings also keep their rows)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from kvserve.model.quant.methods import load_quant_kernels
 def _kernels():
     kernels = load_quant_kernels()
     if kernels is None or not kernels.packed_linear_supported():
-        pytest.skip("no AMX here: dense bf16 weights are not packed")
+        pytest.skip("no AVX512-BF16 here: dense bf16 weights are not packed")
     return kernels
 
 
@@ -49,7 +49,7 @@ def test_packed_layout_holds_the_weight_tile_by_tile():
 
 
 def test_packed_rows_do_not_depend_on_the_batch():
-    """Tile sums run in the same order whatever the other rows are (AMX path, 5+ rows)."""
+    """Sums run in the same order whatever the other rows are (AMX or blocked vector path, 5+ rows)."""
     kernels = _kernels()
     torch.manual_seed(0)
     w = (torch.randn(96, 576) * 0.1).bfloat16()

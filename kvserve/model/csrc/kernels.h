@@ -62,10 +62,6 @@ at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residu
                     double eps);
 void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_mul(const at::Tensor& x);
-#if defined(__AVX512F__)
-// silu_mul's bf16 arithmetic for 16 values of gate and of up (bf16 values as float32): the bf16 result.
-__m256i silu_mul16_bf16(__m512 gate, __m512 up);
-#endif
 at::Tensor argmax_rows(const at::Tensor& x);
 
 // quant/csrc/quant_linear.cpp

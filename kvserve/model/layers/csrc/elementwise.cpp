@@ -79,13 +79,8 @@ inline float silu(float x) {
 
 #if defined(__AVX512F__)
 // load16: 16 values as float32 (simd.h); store16 rounds to nearest even like store().
+using simd::bf16_bits;
 using simd::load16;
-
-inline __m512i bf16_bits(__m512 v) {  // float -> bf16 (round to nearest even) in the high halves
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  return _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-}
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(c10::BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(v), 16)));
@@ -105,25 +100,7 @@ inline __m512 round16(__m512 v) {
     return v;
 }
 
-// exp_nonpositive for 16 values: the same polynomial, 2^n applied by scalef.
-inline __m512 exp16_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
-}
-
-inline __m512 silu16(__m512 x) {
-  const __m512 e = exp16_nonpositive(_mm512_min_ps(x, _mm512_sub_ps(_mm512_setzero_ps(), x)));  // exp(-|x|)
-  const __m512 num = _mm512_mask_mul_ps(x, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LE_OQ), x, e);
-  // num / d by a 14-bit reciprocal and one Newton step (~2^-28 relative error, below float32's
-  // rounding): a 16-wide division costs ~16 cycles, a sixth of a 2,048-token SiLU * up.
-  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), e), r = _mm512_rcp14_ps(d);
-  return _mm512_mul_ps(num, _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f))));
-}
+using simd::silu16;
 constexpr int64_t kVec = 16;
 #else
 constexpr int64_t kVec = 0;  // no vector loop: the scalar one does every value
@@ -243,7 +220,7 @@ at::Tensor silu_mul_typed(const at::Tensor& x) {
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         for (; i + kVec <= width; i += kVec)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), silu_mul16_bf16(load16(gate + i), load16(up + i)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), simd::silu_mul16_bf16(load16(gate + i), load16(up + i)));
       }
       for (; i + kVec <= width; i += kVec) store16(dst + i, _mm512_mul_ps(round16<T>(silu16(load16(gate + i))), load16(up + i)));
 #endif
@@ -308,12 +285,6 @@ void check_cpu(const at::Tensor& t, const char* what) {
   }
 
 }  // namespace
-
-#if defined(__AVX512F__)
-__m256i silu_mul16_bf16(__m512 gate, __m512 up) {
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(_mm512_mul_ps(round16<c10::BFloat16>(silu16(gate)), up)), 16));
-}
-#endif
 
 // RMSNorm over the last dimension: weight * (x / rms(x)); with `residual` ([rows, dim]), first
 // residual += x in place and normalise that sum instead (the decoder's pre-norm residual stream).

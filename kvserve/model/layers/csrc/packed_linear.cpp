@@ -9,9 +9,10 @@
 //     row-major form (W as A, x^T as B, y^T in C);
 //   - a thread's share of W is one sequential stream of 1 KB tiles instead of 32 rows read side by
 //     side, which the hardware prefetchers follow better.
-// For 1-4 rows of x (single-stream decode) AVX512-BF16 reads the same layout: a tile row is 16
-// channels x one input pair, multiplied by that pair of x broadcast, so each accumulator lane is
-// one output channel and nothing is reduced across lanes.
+// AVX512-BF16 reads the same layout: a tile row is 16 channels x one input pair, multiplied by that
+// pair of x broadcast, so each accumulator lane is one output channel and nothing is reduced across
+// lanes. It serves 1-4 rows of x (single-stream decode) everywhere, and every number of rows on
+// CPUs without AMX (AMD Zen 4, say), where it blocks x by rows and W by L2-sized groups of strips.
 //
 // "Gated": the fused gate/up projection of an MLP, W = [W_gate; W_up] (N/2 rows each). Its strips
 // are stored alternately, gate strip i then up strip i, so the two accumulators of a strip pair hold
@@ -28,14 +29,18 @@
 
 #include <algorithm>
 
-#if defined(KVSERVE_AMX)
+#if defined(KVSERVE_BF16)
 namespace {
 
-using simd::aligned_vector;
-
 constexpr int64_t kTile = 512;         // bf16 values per 16 x 32 tile
-constexpr int64_t kMaxVectorRows = 4;  // up to here AVX512-BF16, beyond AMX
+constexpr int64_t kMaxVectorRows = 4;  // up to here AVX512-BF16, beyond AMX where the CPU has it
 constexpr int64_t kPrefetchValues = 2048;  // 4 KB ahead in each strip's stream (2 and 8 KB: slower)
+// Many rows without AMX: work items of kVectorBlockRows rows of x against a group of strip pairs
+// holding about kVectorGroupBytes of W (it stays in L2 while the item's rows pass over it, kVectorRows
+// at a time, their accumulators in registers).
+constexpr int64_t kVectorBlockRows = 32;
+constexpr int64_t kVectorGroupBytes = int64_t{1} << 18;
+constexpr int kVectorRows = 4;
 // Many rows of x (prefill, large decode batches): W is cut into groups of strip pairs holding
 // ~kGroupBytes, and a work item is one group against one block of 32 rows of x: the block's A tiles
 // stay in L1 while the group's strips stream from L2, and the group stays in L2 for the next block.
@@ -75,14 +80,15 @@ struct Output {
   // as the unfused projection's output would be).
   void store_silu_mul(int64_t row, int64_t p, __m512 gate, __m512 up) const {
     const __m512 g = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(gate)), u = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(up));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + row * (n / 2) + p * 16), silu_mul16_bf16(g, u));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + row * (n / 2) + p * 16), simd::silu_mul16_bf16(g, u));
   }
 };
 
-// MB rows of x against G strips at a time: each broadcast pair of x serves G strips, and the G
-// strips are G streams through memory, which keeps more cache-line fills in flight than one.
+// MB rows of x (rows row0.. of y) against G strips at a time: each broadcast pair of x serves G
+// strips, and the G strips are G streams through memory, which keeps more cache-line fills in flight
+// than one.
 template <int MB, int G>
-void vector_strips(const uint16_t* w, const uint16_t* x, int64_t k, const Output& out, int64_t s) {
+void vector_strips(const uint16_t* w, const uint16_t* x, int64_t k, const Output& out, int64_t row0, int64_t s) {
   const int64_t chunks = k / 32, strip_values = chunks * kTile;
   __m512 acc[G][MB];
   for (int g = 0; g < G; ++g)
@@ -104,9 +110,9 @@ void vector_strips(const uint16_t* w, const uint16_t* x, int64_t k, const Output
   for (int m = 0; m < MB; ++m) {
     if (out.silu_mul) {
       if constexpr (G % 2 == 0)
-        for (int g = 0; g < G; g += 2) out.store_silu_mul(m, (s + g) / 2, acc[g][m], acc[g + 1][m]);
+        for (int g = 0; g < G; g += 2) out.store_silu_mul(row0 + m, (s + g) / 2, acc[g][m], acc[g + 1][m]);
     } else {
-      for (int g = 0; g < G; ++g) out.store(m, s + g, acc[g][m]);
+      for (int g = 0; g < G; ++g) out.store(row0 + m, s + g, acc[g][m]);
     }
   }
 }
@@ -114,11 +120,12 @@ void vector_strips(const uint16_t* w, const uint16_t* x, int64_t k, const Output
 // Strips [s0, s1), s0 even: four at a time, then a pair, then one (never left for a gated weight,
 // whose strips come in pairs).
 template <int MB>
-void vector_rows(const uint16_t* w, const uint16_t* x, int64_t k, const Output& out, int64_t s0, int64_t s1) {
+void vector_rows(const uint16_t* w, const uint16_t* x, int64_t k, const Output& out, int64_t row0, int64_t s0,
+                 int64_t s1) {
   int64_t s = s0;
-  for (; s + 4 <= s1; s += 4) vector_strips<MB, 4>(w, x, k, out, s);
-  for (; s + 2 <= s1; s += 2) vector_strips<MB, 2>(w, x, k, out, s);
-  for (; s < s1; ++s) vector_strips<MB, 1>(w, x, k, out, s);
+  for (; s + 4 <= s1; s += 4) vector_strips<MB, 4>(w, x, k, out, row0, s);
+  for (; s + 2 <= s1; s += 2) vector_strips<MB, 2>(w, x, k, out, row0, s);
+  for (; s < s1; ++s) vector_strips<MB, 1>(w, x, k, out, row0, s);
 }
 
 void vector_linear(const at::Tensor& x, const uint16_t* w, const Output& out) {
@@ -128,10 +135,32 @@ void vector_linear(const at::Tensor& x, const uint16_t* w, const Output& out) {
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (k * 32));
   parallel_for_dynamic(0, (strips + 1) / 2, grain, [&](int64_t p0, int64_t p1) {
     with_few_rows(m, [&](auto mb) {
-      vector_rows<decltype(mb)::value>(w, xp, k, out, 2 * p0, std::min(2 * p1, strips));
+      vector_rows<decltype(mb)::value>(w, xp, k, out, 0, 2 * p0, std::min(2 * p1, strips));
     });
   });
 }
+
+// Many rows without AMX. Items run group by group (a thread's consecutive items share W's group).
+void vector_linear_blocked(const at::Tensor& x, const uint16_t* w, const Output& out) {
+  const int64_t m = x.size(0), k = x.size(1), strips = (out.n + 15) / 16, pairs = (strips + 1) / 2;
+  const uint16_t* xp = static_cast<const uint16_t*>(x.data_ptr());
+  const int64_t group = std::clamp<int64_t>(kVectorGroupBytes / (k * 64), 1, pairs);
+  const int64_t groups = (pairs + group - 1) / group, blocks = (m + kVectorBlockRows - 1) / kVectorBlockRows;
+  parallel_for_dynamic(0, groups * blocks, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t g = item / blocks, r0 = item % blocks * kVectorBlockRows, r1 = std::min(m, r0 + kVectorBlockRows);
+      const int64_t s0 = 2 * g * group, s1 = std::min(strips, 2 * (g + 1) * group);
+      for (int64_t r = r0; r < r1; r += kVectorRows) {
+        with_few_rows(std::min<int64_t>(kVectorRows, r1 - r), [&](auto mb) {
+          vector_rows<decltype(mb)::value>(w, xp + r * k, k, out, r, s0, s1);
+        });
+      }
+    }
+  });
+}
+
+#if defined(KVSERVE_AMX)
+using simd::aligned_vector;
 
 // One 32-row block's result for one strip pair, in a C buffer (amx_2x2's layout: C[2 * block +
 // strip]), to be converted and stored while the next block's multiplies run: done after the
@@ -204,27 +233,28 @@ void amx_linear(const at::Tensor& x, const uint16_t* w, const Output& out) {
     _tile_release();
   });
 }
+#endif  // KVSERVE_AMX
 
 }  // namespace
-#endif
+#endif  // KVSERVE_BF16
 
 bool packed_linear_supported() {
-#if defined(KVSERVE_AMX)
-  return simd::amx_ready();
+#if defined(KVSERVE_BF16)
+  return true;
 #else
   return false;
 #endif
 }
 
 at::Tensor pack_bf16_weight(const at::Tensor& weight, bool gated) {
-  TORCH_CHECK(packed_linear_supported(), "the packed bf16 layout needs AMX");
+  TORCH_CHECK(packed_linear_supported(), "the packed bf16 layout needs AVX512-BF16");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16 &&
                   weight.size(1) % 32 == 0,
               "weight must be a contiguous bfloat16 [N, K] matrix with K a multiple of 32");
   const int64_t n = weight.size(0), k = weight.size(1), strips = (n + 15) / 16, chunks = k / 32;
   TORCH_CHECK(!gated || n % 32 == 0, "a gated weight's halves must be whole strips of 16 rows (N a multiple of 32)");
   at::Tensor out = at::empty({strips, chunks, 16, 32}, weight.options());
-#if defined(KVSERVE_AMX)
+#if defined(KVSERVE_BF16)
   const uint16_t* src = static_cast<const uint16_t*>(weight.data_ptr());
   uint16_t* dst = static_cast<uint16_t*>(out.data_ptr());
   at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
@@ -239,7 +269,7 @@ at::Tensor pack_bf16_weight(const at::Tensor& weight, bool gated) {
 }
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool gated, bool silu_mul) {
-  TORCH_CHECK(packed_linear_supported(), "the packed bf16 layout needs AMX");
+  TORCH_CHECK(packed_linear_supported(), "the packed bf16 layout needs AVX512-BF16");
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
                   packed.size(2) == 16 && packed.size(3) == 32 && n > 0 && (n + 15) / 16 == packed.size(0),
               "packed must be pack_bf16_weight's [N / 16, K / 32, 16, 32] of an [n, K] weight");
@@ -249,12 +279,15 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   TORCH_CHECK(!gated || n % 32 == 0, "a gated weight has N a multiple of 32");
   TORCH_CHECK(gated || !silu_mul, "silu_mul needs a weight packed as gated");
   at::Tensor y = at::empty({x.size(0), silu_mul ? n / 2 : n}, x.options());
-#if defined(KVSERVE_AMX)
+#if defined(KVSERVE_BF16)
   const uint16_t* w = static_cast<const uint16_t*>(packed.data_ptr());
   const Output out{y.data_ptr<c10::BFloat16>(), n, gated, silu_mul};
   if (x.size(0) == 0) return y;
   if (x.size(0) <= kMaxVectorRows) vector_linear(x, w, out);
-  else amx_linear(x, w, out);
+#if defined(KVSERVE_AMX)
+  else if (simd::amx_ready()) amx_linear(x, w, out);
+#endif
+  else vector_linear_blocked(x, w, out);
 #endif
   return y;
 }
