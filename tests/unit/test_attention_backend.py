@@ -98,13 +98,13 @@ def test_kernel_fp8_decodes_every_value():
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
 @pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (8, 1, 64)])
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_amx_prefill_matches_sdpa(kv_cache_dtype, heads, kv_heads, dim, block_size):
+def test_paged_prefill_matches_sdpa(kv_cache_dtype, heads, kv_heads, dim, block_size):
     """A bf16 mixed step (decodes, fresh prompts, chunks after a cached prefix, a chunk longer than a
-    64-token task) through the AMX prefill kernel and through SDPA, each on its own cache copy; a
+    64-token task) through the paged prefill kernel and through SDPA, each on its own cache copy; a
     quantized cache is dequantized by both as the reference does."""
     kernels = load_cpu_kernels()
     if kernels is None or not kernels.paged_prefill_supported(dim):
-        pytest.skip("no AMX prefill kernel on this machine")
+        pytest.skip("no paged prefill kernel on this machine (needs AVX512-BF16)")
     torch.manual_seed(0)
     chunks = [(0, 1), (0, 37), (33, 100), (20, 1), (0, 150), (16, 16), (128, 70), (5, 2)]
     num_blocks = 160 if block_size == 16 else 400
@@ -119,7 +119,7 @@ def test_amx_prefill_matches_sdpa(kv_cache_dtype, heads, kv_heads, dim, block_si
     for i in range(2):
         x = torch.randn(num_blocks * block_size, kv_heads, dim).bfloat16()
         flat[i] = x if fast.kv_format is None else fast.kv_format.quantize(x)
-    assert fast._amx_prefill(q, cache)
+    assert fast._paged_prefill(q, cache)
     out_fast = fast.forward(q, k, v, cache.clone(), meta, dim**-0.5)
     out_ref = ref.forward(q, k, v, cache.clone(), meta, dim**-0.5)
     # bf16 outputs and bf16 attention weights (as SDPA rounds them too): a step or two apart
@@ -169,11 +169,11 @@ def test_kernel_writes_the_cache_as_index_copy_does(kv_cache_dtype, dtype, dim):
         fast._write(k, v, got, meta)
 
 
-def test_amx_prefill_reads_strided_queries():
+def test_paged_prefill_reads_strided_queries():
     """The prefill kernel takes q as the view into the qkv output it is, with the same result as a copy."""
     kernels = load_cpu_kernels()
     if kernels is None or not kernels.paged_prefill_supported(64):
-        pytest.skip("no AMX prefill kernel on this machine")
+        pytest.skip("no paged prefill kernel on this machine (needs AVX512-BF16)")
     torch.manual_seed(0)
     meta = mixed_metadata([(0, 37), (33, 70), (0, 1)], 16, 40)
     q, k, v = _fused_views(meta.query_start[-1], 9, 3, 64, torch.bfloat16)

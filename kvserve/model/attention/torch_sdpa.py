@@ -6,7 +6,7 @@ the model dtype, or with ``kv_cache_dtype`` "int8" / "fp8" the packed uint8 rows
 On the CPU with the C++ kernels, a step's K/V are written (and quantized) by one call,
 ``write_kv_cache``, which stores the same bytes as kv_quant.py.
 Decodes are batched into one SDPA call over their gathered blocks (or the C++ paged kernel, which
-reads quantized rows directly). Prefill chunks in bf16 on a CPU with AMX go to the C++ paged
+reads quantized rows directly). Prefill chunks in bf16 on a CPU with AMX or AVX512-BF16 go to the C++ paged
 prefill kernel, all in one call (it dequantizes int8 / fp8 rows as it packs them); otherwise they
 run one sequence at a time through SDPA, reading the cached prefix only when there is one
 (dequantizing the gathered blocks for a quantized cache).
@@ -35,7 +35,7 @@ class TorchAttentionBackend:
         self.kernels = load_kernels() if use_kernels else None
         self.kv_format = kv_quant_format(kv_cache_dtype)
         self.kernel_kind = _KERNEL_KINDS[None if self.kv_format is None else self.kv_format.name]
-        self._prefill_ok: dict[int, bool] = {}  # head_dim -> the AMX prefill kernel serves it
+        self._prefill_ok: dict[int, bool] = {}  # head_dim -> the paged prefill kernel serves it
 
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
@@ -64,7 +64,7 @@ class TorchAttentionBackend:
         if meta.decode_seqs:
             rows = meta.decode_token_index
             out[rows] = self._decode(q[rows], kv_cache, meta, scale)
-        if self._amx_prefill(q, kv_cache):  # every prefill chunk in one call, straight from the blocks
+        if self._paged_prefill(q, kv_cache):  # every prefill chunk in one call, straight from the blocks
             self.kernels.paged_prefill_attention(_heads_contiguous(q), kv_cache[0], kv_cache[1], meta.block_tables,
                                                  meta.seq_lens, meta.query_start, meta.prefill_seqs, scale,
                                                  self.kernel_kind, out)
@@ -75,8 +75,8 @@ class TorchAttentionBackend:
             out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], kv_cache, meta, i, scale)
         return out
 
-    def _amx_prefill(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        """Whether the AMX prefill kernel serves this call: bf16 queries, a bf16 or int8 / fp8 cache, AMX."""
+    def _paged_prefill(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """Whether the paged prefill kernel serves this call: bf16 queries, a bf16 or int8 / fp8 cache, AVX512-BF16."""
         if self.kernels is None or q.device.type != "cpu" or q.dtype != torch.bfloat16:
             return False
         if self.kv_format is None and kv_cache.dtype != q.dtype:

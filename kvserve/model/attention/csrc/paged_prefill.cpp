@@ -1,4 +1,5 @@
-// Paged prefill attention for the CPU on AMX bf16 tiles: each prefill sequence's new queries attend
+// Paged prefill attention for the CPU on AMX bf16 tiles, or on AVX512-BF16 vectors where there is no
+// AMX (the same tiles, multiplied a row at a time): each prefill sequence's new queries attend
 // causally over its cached keys (the prefix and the chunk itself, written to the cache before this
 // runs), read from the paged blocks.
 //
@@ -25,7 +26,7 @@
 
 namespace {
 
-#if defined(KVSERVE_AMX)
+#if defined(KVSERVE_BF16)
 constexpr int64_t kTaskTokens = 64;  // query tokens per task: 4 tiles of 16
 
 struct Task {
@@ -121,10 +122,60 @@ float softmax_row(const float* s, int64_t visible, int64_t width, float scale2, 
   return _mm512_reduce_add_ps(sum);
 }
 
+// Without AMX, the two tile products a row at a time on AVX512-BF16, reading the same packed tiles:
+// each vdpbf16ps multiplies one tile row (16 keys x a pair of dims, or 16 dims x a pair of keys) by
+// that pair of the query row (or of the weights) broadcast.
+//
+// S = Q K^T for query rows [0, n) (of sc.q) against key blocks [0, kblocks), into sc.s (row stride width).
+void scores_vec(Scratch& sc, int64_t n, int64_t kblocks, int64_t kchunks, int64_t D, int64_t width) {
+  constexpr int R = 8;  // query rows per pass: 8 accumulators, each K^T row loaded once per pass
+  for (int64_t r0 = 0; r0 < n; r0 += R) {
+    for (int64_t b = 0; b < kblocks; ++b) {
+      __m512 acc[R];
+      for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+      const uint32_t* kt = sc.kt.data() + b * kchunks * 256;
+      for (int64_t c = 0; c < kchunks; ++c)
+        for (int j = 0; j < 16; ++j) {
+          const __m512bh kv = (__m512bh)_mm512_load_si512(kt + c * 256 + j * 16);
+          for (int i = 0; i < R; ++i) {
+            const int32_t pair = *reinterpret_cast<const int32_t*>(sc.q + (r0 + i) * D + c * 32 + 2 * j);
+            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(pair), kv);
+          }
+        }
+      for (int i = 0; i < R; ++i) _mm512_storeu_ps(sc.s.data() + (r0 + i) * width + b * 16, acc[i]);
+    }
+  }
+}
+
+// O = P V for rows [0, n) and dims [16 d0, 16 d0 + 64), into sc.o (16 rows x 64 floats), as the AMX
+// path leaves it.
+void weighted_values_vec(Scratch& sc, int64_t n, int64_t width, int64_t vchunks, int64_t d0) {
+  constexpr int R = 4;  // 4 rows x 4 vectors of dims: 16 accumulators
+  for (int64_t r0 = 0; r0 < n; r0 += R) {
+    __m512 acc[R][4];
+    for (int i = 0; i < R; ++i)
+      for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < width / 32; ++b) {
+      const uint32_t* vt = sc.vt.data() + (b * vchunks + d0) * 256;
+      for (int j = 0; j < 16; ++j) {
+        __m512bh v[4];
+        for (int c = 0; c < 4; ++c) v[c] = (__m512bh)_mm512_load_si512(vt + c * 256 + j * 16);
+        for (int i = 0; i < R; ++i) {
+          const int32_t pair = *reinterpret_cast<const int32_t*>(sc.p.data() + (r0 + i) * width + b * 32 + 2 * j);
+          const __m512bh p = (__m512bh)_mm512_set1_epi32(pair);
+          for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], p, v[c]);
+        }
+      }
+    }
+    for (int i = 0; i < R; ++i)
+      for (int c = 0; c < 4; ++c) _mm512_store_ps(sc.o + (r0 + i) * 64 + 16 * c, acc[i][c]);
+  }
+}
+
 void run_task(const Task& task, const uint16_t* q, int64_t q_row, const CacheRows& k, const CacheRows& v,
               uint16_t* out, const int64_t* table, int64_t seq_len, int64_t q_first, int64_t num_queries,
-              int64_t num_heads, int64_t num_kv_heads, int64_t D, int64_t block_size, float scale, Scratch& sc,
-              std::vector<int64_t>& rows) {
+              int64_t num_heads, int64_t num_kv_heads, int64_t D, int64_t block_size, float scale, bool amx,
+              Scratch& sc, std::vector<int64_t>& rows) {
   const int64_t group = num_heads / num_kv_heads, context = seq_len - num_queries;
   const int64_t key_end = context + task.last;  // the task's last query sees up to here
   rows.resize(key_end);
@@ -145,14 +196,20 @@ void run_task(const Task& task, const uint16_t* q, int64_t q_row, const CacheRow
         else std::memset(dst, 0, D * 2);
       }
       const int64_t keys = context + j0 + n, width = (keys + 31) / 32 * 32;
-      for (int64_t b = 0; b < (keys + 15) / 16; ++b) {
-        _tile_zero(0);
-        for (int64_t c = 0; c < kchunks; ++c) {
-          _tile_loadd(1, sc.q + c * 32, D * 2);
-          _tile_loadd(2, sc.kt.data() + (b * kchunks + c) * 256, 64);
-          _tile_dpbf16ps(0, 1, 2);
+      if (amx) {
+#if defined(KVSERVE_AMX)
+        for (int64_t b = 0; b < (keys + 15) / 16; ++b) {
+          _tile_zero(0);
+          for (int64_t c = 0; c < kchunks; ++c) {
+            _tile_loadd(1, sc.q + c * 32, D * 2);
+            _tile_loadd(2, sc.kt.data() + (b * kchunks + c) * 256, 64);
+            _tile_dpbf16ps(0, 1, 2);
+          }
+          _tile_stored(0, sc.s.data() + b * 16, width * 4);
         }
-        _tile_stored(0, sc.s.data() + b * 16, width * 4);
+#endif
+      } else {
+        scores_vec(sc, n, (keys + 15) / 16, kchunks, D, width);
       }
       for (int64_t r = 0; r < 16; ++r) {
         uint16_t* pr = sc.p.data() + r * width;
@@ -160,17 +217,23 @@ void run_task(const Task& task, const uint16_t* q, int64_t q_row, const CacheRow
         else std::memset(pr, 0, width * 2);
       }
       for (int64_t d0 = 0; d0 < vchunks; d0 += 4) {  // 64 output dims (4 C tiles) at a time
-        _tile_zero(3); _tile_zero(4); _tile_zero(5); _tile_zero(6);
-        for (int64_t b = 0; b < width / 32; ++b) {
-          _tile_loadd(7, sc.p.data() + b * 32, width * 2);
-          const uint32_t* vt = sc.vt.data() + (b * vchunks + d0) * 256;
-          _tile_loadd(2, vt, 64); _tile_dpbf16ps(3, 7, 2);
-          _tile_loadd(2, vt + 256, 64); _tile_dpbf16ps(4, 7, 2);
-          _tile_loadd(2, vt + 512, 64); _tile_dpbf16ps(5, 7, 2);
-          _tile_loadd(2, vt + 768, 64); _tile_dpbf16ps(6, 7, 2);
+        if (amx) {
+#if defined(KVSERVE_AMX)
+          _tile_zero(3); _tile_zero(4); _tile_zero(5); _tile_zero(6);
+          for (int64_t b = 0; b < width / 32; ++b) {
+            _tile_loadd(7, sc.p.data() + b * 32, width * 2);
+            const uint32_t* vt = sc.vt.data() + (b * vchunks + d0) * 256;
+            _tile_loadd(2, vt, 64); _tile_dpbf16ps(3, 7, 2);
+            _tile_loadd(2, vt + 256, 64); _tile_dpbf16ps(4, 7, 2);
+            _tile_loadd(2, vt + 512, 64); _tile_dpbf16ps(5, 7, 2);
+            _tile_loadd(2, vt + 768, 64); _tile_dpbf16ps(6, 7, 2);
+          }
+          _tile_stored(3, sc.o, 256); _tile_stored(4, sc.o + 16, 256);
+          _tile_stored(5, sc.o + 32, 256); _tile_stored(6, sc.o + 48, 256);
+#endif
+        } else {
+          weighted_values_vec(sc, n, width, vchunks, d0);
         }
-        _tile_stored(3, sc.o, 256); _tile_stored(4, sc.o + 16, 256);
-        _tile_stored(5, sc.o + 32, 256); _tile_stored(6, sc.o + 48, 256);
         for (int64_t r = 0; r < n; ++r) {
           const __m512 inv = _mm512_set1_ps(1.f / sc.row_sum[r]);
           uint16_t* dst = out + ((q_first + j0 + r) * num_heads + h) * D + d0 * 16;
@@ -187,8 +250,8 @@ void run_task(const Task& task, const uint16_t* q, int64_t q_row, const CacheRow
 }  // namespace
 
 bool paged_prefill_supported(int64_t head_dim) {
-#if defined(KVSERVE_AMX)
-  return head_dim % 64 == 0 && head_dim <= 128 && simd::amx_ready();
+#if defined(KVSERVE_BF16)
+  return head_dim % 64 == 0 && head_dim <= 128;
 #else
   (void)head_dim;
   return false;
@@ -205,7 +268,7 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
                              const std::vector<int64_t>& query_start, const std::vector<int64_t>& seqs, double scale,
                              int64_t kv_kind, at::Tensor& out) {
   const int64_t num_heads = q.size(1), D = q.size(2), num_kv_heads = k_cache.size(2), block_size = k_cache.size(1);
-  TORCH_CHECK(paged_prefill_supported(D), "paged_prefill_attention needs AMX and head_dim 64 or 128");
+  TORCH_CHECK(paged_prefill_supported(D), "paged_prefill_attention needs AVX512-BF16 and head_dim 64 or 128");
   TORCH_CHECK(kv_kind >= 0 && kv_kind <= 2, "unknown KV cache kind ", kv_kind);
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "queries must be bf16");
   TORCH_CHECK(k_cache.scalar_type() == (kv_kind == 0 ? at::kBFloat16 : at::kByte) && v_cache.scalar_type() == k_cache.scalar_type(),
@@ -213,7 +276,7 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D, "each query row's heads must be contiguous");
   TORCH_CHECK(out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(num_heads % num_kv_heads == 0 && k_cache.size(3) == (kv_kind == 0 ? D : D + 2), "head shapes do not match");
-#if defined(KVSERVE_AMX)
+#if defined(KVSERVE_BF16)
   const auto tables = block_tables.contiguous();
   const int64_t* bt = tables.data_ptr<int64_t>();
   const int64_t* sl = seq_lens.data();
@@ -234,16 +297,26 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   const CacheRows kp{static_cast<const uint8_t*>(k_cache.data_ptr()), kv_kind, D};
   const CacheRows vp{static_cast<const uint8_t*>(v_cache.data_ptr()), kv_kind, D};
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+#if defined(KVSERVE_AMX)
+  const bool amx = simd::amx_ready();
+#else
+  const bool amx = false;
+#endif
   parallel_for_dynamic(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    simd::configure_tiles();
+#if defined(KVSERVE_AMX)
+    if (amx) simd::configure_tiles();
+#endif
     Scratch sc;
     std::vector<int64_t> rows;
     for (int64_t i = begin; i < end; ++i) {
       const Task& t = tasks[i];
       run_task(t, qp, q.stride(0), kp, vp, op, bt + t.seq * tables.size(1), sl[t.seq], qs[t.seq],
-               qs[t.seq + 1] - qs[t.seq], num_heads, num_kv_heads, D, block_size, static_cast<float>(scale), sc, rows);
+               qs[t.seq + 1] - qs[t.seq], num_heads, num_kv_heads, D, block_size, static_cast<float>(scale), amx, sc,
+               rows);
     }
-    _tile_release();
+#if defined(KVSERVE_AMX)
+    if (amx) _tile_release();
+#endif
   });
 #else
   (void)block_tables, (void)seq_lens, (void)query_start, (void)seqs, (void)scale, (void)kv_kind;
