@@ -155,9 +155,13 @@ void with_vector_rows(int64_t rows, const F& f) {
 void vector_linear_blocked(const at::Tensor& x, const uint16_t* w, const Output& out) {
   const int64_t m = x.size(0), k = x.size(1), strips = (out.n + 15) / 16, pairs = (strips + 1) / 2;
   const uint16_t* xp = static_cast<const uint16_t*>(x.data_ptr());
-  // an even number of pairs where possible: strips go through the kernel four at a time
-  const int64_t group = std::clamp<int64_t>(kVectorGroupBytes / (k * 64) / 2 * 2, 1, pairs);
-  const int64_t groups = (pairs + group - 1) / group, blocks = (m + kVectorBlockRows - 1) / kVectorBlockRows;
+  // An even number of pairs where possible: strips go through the kernel four at a time. With one
+  // block of rows (a decode batch) W is read once whatever the groups: small ones then, about four
+  // per thread, so that the threads finish together.
+  const int64_t blocks = (m + kVectorBlockRows - 1) / kVectorBlockRows;
+  const int64_t group_bytes = blocks == 1 ? pairs * k * 64 / (4 * at::get_num_threads()) : kVectorGroupBytes;
+  const int64_t group = std::clamp<int64_t>(group_bytes / (k * 64) / 2 * 2, 1, pairs);
+  const int64_t groups = (pairs + group - 1) / group;
   parallel_for_dynamic(0, groups * blocks, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t g = item / blocks, r0 = item % blocks * kVectorBlockRows, r1 = std::min(m, r0 + kVectorBlockRows);
