@@ -131,11 +131,15 @@ void vector_rows(const uint16_t* w, const uint16_t* x, int64_t k, const Output& 
 }
 
 void vector_linear(const at::Tensor& x, const uint16_t* w, const Output& out) {
-  const int64_t m = x.size(0), k = x.size(1), strips = (out.n + 15) / 16;
+  const int64_t m = x.size(0), k = x.size(1), strips = (out.n + 15) / 16, pairs = (strips + 1) / 2;
   const uint16_t* xp = static_cast<const uint16_t*>(x.data_ptr());
-  // A second thread costs a wake-up that a small matrix never earns back: >= 256 KB of W per task.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (k * 32));
-  parallel_for_dynamic(0, (strips + 1) / 2, grain, [&](int64_t p0, int64_t p1) {
+  // A second thread costs a wake-up that a small matrix never earns back: >= 256 KB of W per task,
+  // and a whole number of tasks per thread (the 576 x 576 projection made 3 tasks for 2 threads,
+  // one thread reading 7 of its 18 pairs while the other waited).
+  const int64_t threads = at::get_num_threads();
+  int64_t tasks = std::max<int64_t>(1, pairs * k * 64 / (int64_t{1} << 18));
+  if (tasks > 1) tasks = (tasks + threads - 1) / threads * threads;
+  parallel_for_dynamic(0, pairs, (pairs + tasks - 1) / tasks, [&](int64_t p0, int64_t p1) {
     with_few_rows(m, [&](auto mb) {
       vector_rows<decltype(mb)::value>(w, xp, k, out, 0, 2 * p0, std::min(2 * p1, strips));
     });
