@@ -15,16 +15,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "dequantize an int8/int4 weight (CPU)", no_gil);
   m.def("dense_linear", &dense_linear, "x W^T for a dense bf16 weight without AMX: fused loop for a few rows, else at::mm (CPU)", no_gil);
   m.def("has_amx", &has_amx, "AMX tiles usable in this process");
-  m.def("packed_linear_supported", &packed_linear_supported, "the AMX-packed bf16 weight layout is usable here");
-  m.def("pack_bf16_weight", &pack_bf16_weight, "a bf16 [N, K] weight in the AMX tile layout (CPU)", py::arg("weight"),
+  m.def("packed_linear_supported", &packed_linear_supported, "the packed bf16 weight layout is usable here (AVX512-BF16)");
+  m.def("pack_bf16_weight", &pack_bf16_weight, "a bf16 [N, K] weight in the AMX tile layout, for AMX or AVX512-BF16 (CPU)", py::arg("weight"),
         py::arg("gated") = false, no_gil);
   m.def("packed_linear", &packed_linear,
         "x W^T for a weight from pack_bf16_weight, or SiLU(gate) * up of it (silu_mul, a gated weight) (CPU)",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("gated") = false, py::arg("silu_mul") = false, no_gil);
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", no_gil);
   m.def("write_kv_cache", &write_kv_cache, "store a step's k, v at their slots of the paged KV cache (CPU)", no_gil);
-  m.def("paged_prefill_supported", &paged_prefill_supported, "AMX prefill attention available for this head_dim");
-  m.def("paged_prefill_attention", &paged_prefill_attention, "paged causal prefill attention, AMX bf16 (CPU)",
+  m.def("paged_prefill_supported", &paged_prefill_supported, "paged prefill attention (AMX or AVX512-BF16) available for this head_dim");
+  m.def("paged_prefill_attention", &paged_prefill_attention, "paged causal prefill attention, bf16 on AMX or AVX512-BF16 (CPU)",
         no_gil);
 
   py::class_<LinearSpec>(m, "LinearSpec")

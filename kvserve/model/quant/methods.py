@@ -26,12 +26,13 @@ from kvserve.model.quant.registry import CheckpointTensor, QuantMethod, register
 # 8-128 rows); beyond _MAX_AMX_ROWS (prefill) L2-sized dequantized tiles + at::mm.
 _MAX_FUSED_ROWS = {torch.float32: 64, torch.bfloat16: 3, torch.float16: 4}
 _MAX_AMX_ROWS = 256
-# Dense bf16 W on a CPU with AMX: W is kept only in the AMX tile layout (layers/csrc/packed_linear.cpp),
-# packed at load; its kernel serves every number of rows. Over the default model's 30 layers (2
-# threads, weights cold, SiLU * up included) it took 20.5-21.1 ms at 64 rows of x, 47-49 at 256,
-# 126-127 at 1,024, 218-235 at 2,048 (oneDNN on W as stored: 273), 421 at 4,096 (538), 869 at
-# 8,192 (1,837).
-_MAX_DENSE_FUSED_ROWS = 4  # dense bf16 W without AMX: the fused kernel up to here, then oneDNN
+# Dense bf16 W on a CPU with AVX512-BF16: W is kept only in the AMX tile layout
+# (layers/csrc/packed_linear.cpp), packed at load; its kernel serves every number of rows, on AMX
+# tiles where the CPU has them. Over the default model's 30 layers (2 threads, weights cold, SiLU *
+# up included, AMX) it took 20.5-21.1 ms at 64 rows of x, 47-49 at 256, 126-127 at 1,024, 218-235
+# at 2,048 (oneDNN on W as stored: 273), 421 at 4,096 (538), 869 at 8,192 (1,837). Without AMX
+# (a Zen 4) its vdpbf16ps kernel ran at 390-445 GFLOP/s at 64-1,024 rows, oneDNN at 280-410.
+_MAX_DENSE_FUSED_ROWS = 4  # dense bf16 W not packed: the fused kernel up to here, then oneDNN
 _TILE_BYTES = 1 << 21  # a dequantized tile of W that stays in L2 while at::mm reads it
 _LOAD_CHUNK_VALUES = 1 << 18
 
