@@ -45,10 +45,16 @@ void parallel_for_dynamic(int64_t begin, int64_t end, int64_t grain, const F& f)
   if (error) std::rethrow_exception(error);
 }
 
-// Calls f(std::integral_constant<int, R>{}) with R = rows clamped to 1..4, for kernels that take a
-// few rows of x as a template parameter (their accumulators live in registers).
-template <typename F>
+// Calls f(std::integral_constant<int, R>{}) with R = rows clamped to 1..Max (4, or 6 for the packed
+// kernel's many-row blocks), for kernels that take a few rows of x as a template parameter (their
+// accumulators live in registers).
+template <int Max = 4, typename F>
 void with_few_rows(int64_t rows, const F& f) {
+  static_assert(Max == 4 || Max == 6, "instantiated for at most 4 or 6 rows");
+  if constexpr (Max == 6) {
+    if (rows >= 6) return f(std::integral_constant<int, 6>{});
+    if (rows == 5) return f(std::integral_constant<int, 5>{});
+  }
   switch (rows) {
     case 1: f(std::integral_constant<int, 1>{}); break;
     case 2: f(std::integral_constant<int, 2>{}); break;

@@ -13,7 +13,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "index of each row's largest value, first on ties (CPU)", no_gil);
   m.def("quant_linear", &quant_linear, "weight-only int8/int4 linear (CPU)", no_gil);
   m.def("dequantize", &dequantize, "dequantize an int8/int4 weight (CPU)", no_gil);
-  m.def("dense_linear", &dense_linear, "x W^T for a dense bf16 weight without AMX: fused loop for a few rows, else at::mm (CPU)", no_gil);
+  m.def("dense_linear", &dense_linear, "x W^T for a dense bf16 weight that is not packed: fused loop for a few rows, else at::mm (CPU)", no_gil);
   m.def("has_amx", &has_amx, "AMX tiles usable in this process");
   m.def("packed_linear_supported", &packed_linear_supported, "the packed bf16 weight layout is usable here (AVX512-BF16)");
   m.def("pack_bf16_weight", &pack_bf16_weight, "a bf16 [N, K] weight in the AMX tile layout, for AMX or AVX512-BF16 (CPU)", py::arg("weight"),

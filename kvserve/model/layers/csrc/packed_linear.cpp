@@ -146,15 +146,6 @@ void vector_linear(const at::Tensor& x, const uint16_t* w, const Output& out) {
   });
 }
 
-template <typename F>
-void with_vector_rows(int64_t rows, const F& f) {
-  if constexpr (kVectorRows > 4) {
-    if (rows >= kVectorRows) return f(std::integral_constant<int, kVectorRows>{});
-    if (rows == 5) return f(std::integral_constant<int, 5>{});
-  }
-  with_few_rows(rows, f);
-}
-
 // Many rows without AMX. Items run group by group (a thread's consecutive items share W's group).
 void vector_linear_blocked(const at::Tensor& x, const uint16_t* w, const Output& out) {
   const int64_t m = x.size(0), k = x.size(1), strips = (out.n + 15) / 16, pairs = (strips + 1) / 2;
@@ -171,7 +162,7 @@ void vector_linear_blocked(const at::Tensor& x, const uint16_t* w, const Output&
       const int64_t g = item / blocks, r0 = item % blocks * kVectorBlockRows, r1 = std::min(m, r0 + kVectorBlockRows);
       const int64_t s0 = 2 * g * group, s1 = std::min(strips, 2 * (g + 1) * group);
       for (int64_t r = r0; r < r1; r += kVectorRows) {
-        with_vector_rows(std::min<int64_t>(kVectorRows, r1 - r), [&](auto mb) {
+        with_few_rows<kVectorRows>(r1 - r, [&](auto mb) {
           vector_rows<decltype(mb)::value>(w, xp + r * k, k, out, r, s0, s1);
         });
       }

@@ -779,66 +779,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   return bits == 4 ? tiled_any<4>(w, x, tile_bytes) : tiled_any<8>(w, x, tile_bytes);
 }
 
-#if defined(__AVX512BF16__)
-// Dense bf16 W and bf16 x, MB rows: vdpbf16ps multiplies 32 bf16 pairs and accumulates in float32,
-// so W streams through with no conversion at all (the memory-bound decode case). Several rows of W
-// per pass (as many as the registers hold) and a prefetch kAhead rows ahead keep more cache-line
-// fills in flight: one row at a time read 10 GB/s from memory here, this 12.5 (a read-only loop: 12.6).
-template <int MB>
-void dense_bf16_rows(const uint16_t* w, const uint16_t* x, int64_t k, int64_t n0, int64_t n1, c10::BFloat16* y,
-                     int64_t ldy) {
-  constexpr int R = MB == 1 ? 8 : 4, kAhead = 8;
-  const int64_t chunks = k / 32;
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) {
-    __m512 acc[R][MB];
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
-      __m512bh xv[MB];
-      for (int m = 0; m < MB; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * k + c * 32);
-      for (int r = 0; r < R; ++r) {
-        const uint16_t* p = w + (n + r) * k + c * 32;
-        _mm_prefetch(reinterpret_cast<const char*>(p + kAhead * k), _MM_HINT_T0);
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(p);
-        for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MB; ++m) y[m * ldy + n + r] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[r][m]));
-  }
-  for (; n < n1; ++n) {
-    __m512 acc[MB];
-    for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + n * k + c * 32);
-      for (int m = 0; m < MB; ++m) acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_loadu_si512(x + m * k + c * 32));
-    }
-    for (int m = 0; m < MB; ++m) y[m * ldy + n] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[m]));
-  }
-}
-
-at::Tensor dense_bf16(const at::Tensor& x, const at::Tensor& weight) {
-  const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1);
-  at::Tensor y = at::empty({m, n}, x.options());  // float sums rounded once, as at::to(kBFloat16) would
-  const uint16_t* wp = static_cast<const uint16_t*>(weight.data_ptr());
-  const uint16_t* xp = static_cast<const uint16_t*>(x.data_ptr());
-  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
-  parallel_for_dynamic(0, n, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < m; m0 += kFusedRows) {
-      const int64_t mb = std::min<int64_t>(kFusedRows, m - m0);
-      const uint16_t* xm = xp + m0 * k;
-      c10::BFloat16* ym = yp + m0 * n;
-      with_few_rows(mb, [&](auto r) { dense_bf16_rows<decltype(r)::value>(wp, xm, k, n0, n1, ym, n); });
-    }
-  });
-  return y;
-}
-#endif
-
-// y = x W^T for a dense bf16 W [N, K] (K a multiple of 32) where the AMX-packed copy is not available:
-// up to max_fused_rows rows of x the fused loop (W read once per kFusedRows rows; 1.6-3.5x oneDNN at
-// one row, 1.2-2x at four on the default model's shapes), beyond that at::mm.
+// y = x W^T for a dense bf16 W [N, K] (K a multiple of 32) where the packed copy is not available (a
+// CPU without AVX512-BF16; with it every such W is packed, layers/csrc/packed_linear.cpp): up to
+// max_fused_rows rows of x the fused loop (W read once per kFusedRows rows), beyond that at::mm.
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, int64_t max_fused_rows) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] matrix");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16,
@@ -846,9 +789,6 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, int64_t m
   const int64_t n = weight.size(0), k = weight.size(1);
   TORCH_CHECK(x.size(1) == k && k % 32 == 0, "x has ", x.size(1), " features, the weight ", k, " (a multiple of 32)");
   const QuantWeight w{static_cast<const uint8_t*>(weight.data_ptr()), nullptr, nullptr, nullptr, n, k, k};
-#if defined(__AVX512BF16__)
-  if (x.size(0) <= max_fused_rows && x.scalar_type() == at::kBFloat16) return dense_bf16(x, weight);
-#endif
   if (x.size(0) <= max_fused_rows) return fused<16>(w, x);
   return at::mm(x, weight.t().to(x.scalar_type()));
 }
