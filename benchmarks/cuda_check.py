@@ -35,12 +35,23 @@ PARITY_SHAPE = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, n
                     initializer_range=0.05)
 
 
-def run_tests(device: str) -> dict:
+def _run_logged(cmd: list[str], log: Path, timeout: float) -> tuple[int, str, str]:
+    """Run ``cmd`` with stdout going to ``log`` and stderr to ``log``.err as they are written (a lease can
+    end mid-run); returns the exit code (-9 after ``timeout`` seconds), stdout and stderr."""
+    err = log.with_suffix(".err")
+    with log.open("w") as f, err.open("w") as g:
+        try:
+            code = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=g, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = -9
+    return code, log.read_text(errors="replace"), err.read_text(errors="replace")
+
+
+def run_tests(device: str, out: Path) -> dict:
     tests = ["tests/unit/test_triton_attention.py", "tests/models/test_triton_backend.py"]
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=ROOT,
-                          capture_output=True, text=True)
-    return {"returncode": proc.returncode, "summary": proc.stdout.strip().splitlines()[-1:],
-            "tail": proc.stdout[-3000:] + proc.stderr[-2000:]}
+    code, text, err = _run_logged([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+                                  out / "tests.log", timeout=300)
+    return {"returncode": code, "summary": text.strip().splitlines()[-1:], "tail": text[-4000:] + err[-1000:]}
 
 
 def run_parity(device: str, workdir: Path) -> dict:
@@ -84,7 +95,7 @@ class _OnDevice:
         return out
 
 
-def run_speed(device: str, workdir: Path, dry_run: bool) -> dict:
+def run_speed(device: str, workdir: Path, out: Path, dry_run: bool) -> dict:
     import torch
 
     from kvserve.bench.random_model import LLAMA_1B_SHAPE, write_random_model
@@ -104,11 +115,11 @@ def run_speed(device: str, workdir: Path, dry_run: bool) -> dict:
                "--batch-sizes", batch_sizes, "--kv-cache-memory", "0.05" if dry_run else "40",
                "--prompt-len", "16" if dry_run else "128", "--single-output-len", "8" if dry_run else "256",
                "--output-len", "8" if dry_run else "128", "--json", *extra]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-        if proc.returncode != 0:
-            result[name] = {"error": proc.stderr[-3000:]}
+        code, text, err = _run_logged(cmd, out / f"roofline_{name}.log", timeout=240)
+        if code != 0:
+            result[name] = {"returncode": code, "error": err[-3000:]}
             continue
-        report = json.loads(proc.stdout[proc.stdout.index("{"):])
+        report = json.loads(text[text.index("{"):])
         best = next(b for b in report["batched"] if b["batch_size"] == report["best_batch_size"])
         result[name] = {"report": report, "single_stream_tok_s": report["single_stream"]["decode_tokens_per_s"],
                         "single_stream_fraction": report["single_stream"]["fraction"],
@@ -121,7 +132,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: checks this script, not CUDA")
-    parser.add_argument("--steps", default="tests,parity,speed")
+    parser.add_argument("--steps", default="parity,speed,tests", help="the order matters if the lease ends early")
     args = parser.parse_args()
 
     import torch
@@ -132,18 +143,24 @@ def main() -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu (dry run)",
-                     "torch": torch.__version__}
+                     "torch": torch.__version__, "python": sys.version.split()[0]}
+    try:
+        import triton
+
+        results["triton"] = triton.__version__
+    except ImportError:
+        results["triton"] = None
     out_file = args.out / "cuda_check.json"
     with tempfile.TemporaryDirectory() as tmp:
         for step in args.steps.split(","):
             start = time.perf_counter()
             try:
                 if step == "tests":
-                    results[step] = run_tests(device)
+                    results[step] = run_tests(device, args.out)
                 elif step == "parity":
                     results[step] = run_parity(device, Path(tmp))
                 elif step == "speed":
-                    results[step] = run_speed(device, Path(tmp), args.dry_run)
+                    results[step] = run_speed(device, Path(tmp), args.out, args.dry_run)
                 else:
                     raise ValueError(f"unknown step {step!r}")
             except Exception:
