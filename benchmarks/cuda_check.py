@@ -4,16 +4,19 @@
     python benchmarks/cuda_check.py --out DIR --dry-run  # the same steps on the CPU, tiny shapes
 
 Each step's result goes into DIR/cuda_check.json as soon as it ends; a failed step is recorded and
-the next one still runs.
+the next one still runs. The steps run in the order parity, speed, profile, tests by default.
 
-1. tests: pytest of the Triton kernels against the reference backend (adds bfloat16 on the GPU) and
-   of the engine on them against transformers, with decode steps replayed from CUDA graphs.
+1. tests: pytest of the Triton kernels (attention, elementwise) against the PyTorch reference (adds
+   bfloat16 on the GPU) and of the engine on them against transformers, with decode steps replayed
+   from CUDA graphs.
 2. parity: a random-weight 4-layer Llama (head_dim 64, GQA 8/2, 32K vocabulary) in float32:
    greedy outputs of 8 prompts through the engine (Triton + CUDA graphs) against transformers on
    the same GPU, token by token.
 3. speed: a random-weight Llama of TinyLlama-1.1B's shape in bfloat16 through
    ``kvserve bench roofline --device cuda``, with CUDA graphs and with ``--enforce-eager``:
    single-stream decode tok/s against the bandwidth bound, batched tok/s against the matmul peak.
+4. profile: where a step's time goes on that model (CUDA graphs on), at batch 1 and 256: each
+   phase of the engine loop timed with the device synchronized around it, by step kind.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ def _run_logged(cmd: list[str], log: Path, timeout: float) -> tuple[int, str, st
 
 
 def run_tests(device: str, out: Path) -> dict:
-    tests = ["tests/unit/test_triton_attention.py", "tests/models/test_triton_backend.py"]
+    tests = ["tests/unit/test_triton_attention.py", "tests/unit/test_triton_elementwise.py",
+             "tests/models/test_triton_backend.py"]
     code, text, err = _run_logged([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
                                   out / "tests.log", timeout=300)
     return {"returncode": code, "summary": text.strip().splitlines()[-1:], "tail": text[-4000:] + err[-1000:]}
@@ -96,18 +100,9 @@ class _OnDevice:
 
 
 def run_speed(device: str, workdir: Path, out: Path, dry_run: bool) -> dict:
-    import torch
-
-    from kvserve.bench.random_model import LLAMA_1B_SHAPE, write_random_model
-
-    shape = dict(LLAMA_1B_SHAPE, initializer_range=0.02)
-    batch_sizes = "1,32,64,128,256"
-    if dry_run:
-        shape.update(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=32, vocab_size=1024)
-        batch_sizes = "2,4"
+    batch_sizes = "2,4" if dry_run else "1,32,64,128,256"
     start = time.perf_counter()
-    path = write_random_model(workdir / "llama-1b", dtype=torch.bfloat16, device=device, **shape)
+    path, shape = _llama_1b(device, workdir, dry_run)
     result = {"model_shape": shape, "write_seconds": round(time.perf_counter() - start, 1)}
     for name, extra in (("cuda_graphs", []), ("eager", ["--enforce-eager"])):
         cmd = [sys.executable, "-c", "import sys; from kvserve.entrypoints.cli import main; sys.exit(main())",
@@ -128,11 +123,90 @@ def run_speed(device: str, workdir: Path, out: Path, dry_run: bool) -> dict:
     return result
 
 
+def _llama_1b(device: str, workdir: Path, dry_run: bool) -> tuple[Path, dict]:
+    import torch
+
+    from kvserve.bench.random_model import LLAMA_1B_SHAPE, write_random_model
+
+    shape = dict(LLAMA_1B_SHAPE, initializer_range=0.02)
+    if dry_run:
+        shape.update(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=32, vocab_size=1024)
+    path = workdir / "llama-1b"
+    if not (path / "config.json").exists():
+        write_random_model(path, dtype=torch.bfloat16, device=device, **shape)
+    return path, shape
+
+
+_PHASES = {"engine.step": ("engine", "step"), "core.step": ("core", "step"), "schedule": ("scheduler", "schedule"),
+           "prepare": ("runner", "_prepare"), "forward": ("runner", "_forward"),
+           "logits": ("model", "compute_logits"), "sample": ("runner", "sampler"),
+           "update": ("scheduler", "update_after_step")}
+
+
+def run_profile(device: str, workdir: Path, dry_run: bool) -> dict:
+    """Seconds per step in each phase of the loop (device synchronized before and after each, so a
+    phase's time includes the GPU work it waits for), split into pure-decode and other steps."""
+    from collections import defaultdict
+
+    import torch
+
+    from kvserve import LLM, SamplingParams
+
+    path, _ = _llama_1b(device, workdir, dry_run)
+    batches = (1, 4) if dry_run else (1, 256)
+    llm = LLM(model=str(path), device=device, dtype="bfloat16", max_num_seqs=max(batches), quantization="none",
+              enable_prefix_caching=False, kv_cache_memory_bytes=(1 if dry_run else 20) * 2**30)
+    core = llm.engine.core
+    owners = {"engine": llm.engine, "core": core, "scheduler": core.scheduler, "runner": core.runner,
+              "model": core.runner.model}
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    kind = ["other"]
+    totals: dict = defaultdict(lambda: defaultdict(float))
+    steps: dict = defaultdict(int)
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            sync()
+            start = time.perf_counter()
+            result = fn(*args, **kwargs)
+            sync()
+            totals[kind[0]][name] += time.perf_counter() - start
+            return result
+        return wrapper
+
+    execute = core.runner.execute
+
+    def execute_and_classify(out):
+        kind[0] = "decode" if all(len(s.token_ids) == 1 for s in out.scheduled) else "other"
+        steps[kind[0]] += 1
+        return execute(out)
+
+    core.runner.execute = execute_and_classify
+    for name, (owner, attr) in _PHASES.items():
+        setattr(owners[owner], attr, timed(name, getattr(owners[owner], attr)))
+    result = {}
+    for batch in batches:
+        prompts = [[(7 * i + j) % 1000 + 3 for j in range(128)] for i in range(batch)]
+        params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+        llm.generate(prompts, params, use_tqdm=False)  # warm-up
+        totals.clear()
+        steps.clear()
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        # engine.step's "other" covers the steps' prefill; the kind is set inside it, so its time lands
+        # under the kind of the step it ran.
+        result[f"batch_{batch}"] = {"wall_s": round(wall, 4), "steps": dict(steps), "ms_per_step": {
+            k: {name: round(1000 * t / max(1, steps[k]), 3) for name, t in phases.items()} for k, phases in totals.items()}}
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: checks this script, not CUDA")
-    parser.add_argument("--steps", default="parity,speed,tests", help="the order matters if the lease ends early")
+    parser.add_argument("--steps", default="parity,speed,profile,tests", help="the order matters if the lease ends early")
     args = parser.parse_args()
 
     import torch
@@ -159,6 +233,8 @@ def main() -> int:
                     results[step] = run_tests(device, args.out)
                 elif step == "parity":
                     results[step] = run_parity(device, Path(tmp))
+                elif step == "profile":
+                    results[step] = run_profile(device, Path(tmp), args.dry_run)
                 elif step == "speed":
                     results[step] = run_speed(device, Path(tmp), args.out, args.dry_run)
                 else:
@@ -168,7 +244,8 @@ def main() -> int:
             results[step]["seconds"] = round(time.perf_counter() - start, 1)
             out_file.write_text(json.dumps(results, indent=2))
             print(f"{step}: done in {results[step]['seconds']} s", flush=True)
-    print(json.dumps({k: v for k, v in results.items() if k != "speed"}, indent=2)[:4000])
+    print(json.dumps({k: v for k, v in results.items() if k not in ("speed", "profile")}, indent=2)[:3000])
+    print(json.dumps(results.get("profile"), indent=1)[:4000])
     for name in ("cuda_graphs", "eager"):
         entry = results.get("speed", {}).get(name, {})
         if "best_tok_s" in entry:

@@ -47,7 +47,9 @@ class SamplerOutput:
 
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)  # for rows without their own seed
+        self.seed = seed
+        self.generator = torch.Generator().manual_seed(seed)  # for rows without their own seed, on the CPU
+        self._device_generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [B, V] -> the next token id of every row (and logprobs where asked)."""
@@ -66,18 +68,27 @@ class Sampler:
         if batch.all_greedy:
             return greedy.cpu()
         probs = filtered_probs(logits, batch.params)
-        noise = self._noise(probs.shape, batch).to(probs.device)
+        noise = self._noise(probs.shape, batch, probs.device)
         sampled = (probs / noise).max(dim=-1).indices
         is_greedy = torch.tensor([p.greedy for p in batch.params], device=logits.device)
         return torch.where(is_greedy, greedy, sampled).cpu()
 
-    def _noise(self, shape: torch.Size, batch: SamplingBatch) -> torch.Tensor:
-        noise = torch.empty(shape).exponential_(generator=self.generator)
+    def _noise(self, shape: torch.Size, batch: SamplingBatch, device: torch.device) -> torch.Tensor:
+        """Exp(1) noise [B, V] on ``device``: unseeded rows from the sampler's generator there (no
+        [B, V] host-to-device copy on a GPU); seeded rows from the CPU, the same on every device."""
+        noise = torch.empty(shape, device=device).exponential_(generator=self._generator_for(device))
         for row, (p, n) in enumerate(zip(batch.params, batch.num_generated)):
             if p.seed is not None and not p.greedy:
                 gen = torch.Generator().manual_seed((p.seed * _SEED_STRIDE + n) % (1 << 63))  # any int seed is valid
-                noise[row].exponential_(generator=gen)
+                noise[row] = torch.empty(shape[1:]).exponential_(generator=gen).to(device)
         return noise
+
+    def _generator_for(self, device: torch.device) -> torch.Generator:
+        if device.type == "cpu":
+            return self.generator
+        if device not in self._device_generators:
+            self._device_generators[device] = torch.Generator(device).manual_seed(self.seed)
+        return self._device_generators[device]
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

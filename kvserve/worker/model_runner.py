@@ -65,8 +65,7 @@ class ModelRunner:
             result.spec_token_ids = self._verify(batch, spec_rows, hidden, meta)
         if not rows:
             return result
-        last = torch.tensor([meta.query_start[i + 1] - 1 for i in rows], device=self.device)
-        logits = self.model.compute_logits(hidden[last])
+        logits = self.model.compute_logits(self._rows_of(hidden, rows, meta))
         chosen = [batch[i] for i in rows]
         sampling = SamplingBatch([s.sampling_params for s in chosen], [s.num_generated for s in chosen],
                                  [s.prompt_token_ids for s in chosen], [s.output_token_ids for s in chosen])
@@ -81,8 +80,14 @@ class ModelRunner:
         """Forward a batch and return the logits at each sequence's last position [B, V] (draft models)."""
         input_ids, positions, meta = self._prepare(batch)
         hidden = self._forward(input_ids, positions, meta)
-        last = torch.tensor([meta.query_start[i + 1] - 1 for i in range(len(batch))], device=self.device)
-        return self.model.compute_logits(hidden[last])
+        return self.model.compute_logits(self._rows_of(hidden, range(len(batch)), meta))
+
+    def _rows_of(self, hidden: torch.Tensor, rows, meta: AttentionMetadata) -> torch.Tensor:
+        """The hidden state at the last position of each sequence in ``rows`` (all of a pure decode
+        step's rows are already that: no gather)."""
+        if len(rows) == meta.num_seqs == hidden.shape[0]:
+            return hidden
+        return hidden[torch.tensor([meta.query_start[i + 1] - 1 for i in rows], device=self.device)]
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if not meta.prefill_seqs:
@@ -149,18 +154,32 @@ class ModelRunner:
         slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
         decode_seqs = [i for i, n in enumerate(lens) if n == 1]
         decode_width = -(-max((seq_lens[i] for i in decode_seqs), default=0) // bs)
+        host = [input_ids, positions, slot_mapping, block_tables, torch.tensor(seq_lens, dtype=torch.long),
+                torch.tensor([query_start[i] for i in decode_seqs], dtype=torch.long),
+                block_tables[decode_seqs, :decode_width], torch.tensor([seq_lens[i] for i in decode_seqs], dtype=torch.long)]
+        (input_ids, positions, slot_mapping, block_tables, seq_lens_t, decode_token_index, decode_block_tables,
+         decode_seq_lens) = _to_device(host, dev)
         meta = AttentionMetadata(
             num_seqs=len(batch),
             query_start=query_start,
             seq_lens=seq_lens,
-            slot_mapping=slot_mapping.to(dev),
-            block_tables=block_tables.to(dev),
-            seq_lens_t=torch.tensor(seq_lens, device=dev),
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            seq_lens_t=seq_lens_t,
             decode_seqs=decode_seqs,
             prefill_seqs=[i for i, n in enumerate(lens) if n > 1],
-            decode_token_index=torch.tensor([query_start[i] for i in decode_seqs], dtype=torch.long, device=dev),
-            decode_block_tables=block_tables[decode_seqs, :decode_width].to(dev),
-            decode_seq_lens=torch.tensor([seq_lens[i] for i in decode_seqs], dtype=torch.long, device=dev),
+            decode_token_index=decode_token_index,
+            decode_block_tables=decode_block_tables,
+            decode_seq_lens=decode_seq_lens,
             block_size=bs,
         )
-        return input_ids.to(dev), positions.to(dev), meta
+        return input_ids, positions, meta
+
+
+def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """The step's int64 host tensors on ``device``: one host-to-device copy for all (each copy from
+    pageable memory waits for the transfer), split back into views."""
+    if device.type == "cpu":
+        return tensors
+    flat = torch.cat([t.reshape(-1) for t in tensors]).to(device)
+    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
