@@ -81,10 +81,16 @@ def run_parity(device: str, workdir: Path) -> dict:
         except AssertionError as e:
             mismatch = str(e)
     runner = llm.engine.core.runner
+    # Sampling on the device: seeded requests repeat exactly, unseeded ones differ, top-k/top-p run.
+    sampled = [[o.token_ids for o in llm.generate(prompts[:3], SamplingParams(
+        max_tokens=16, temperature=0.8, top_p=0.9, top_k=50, seed=s, ignore_eos=True), use_tqdm=False)]
+        for s in (1, 1, None)]
     return {"prompts": len(prompts), "tokens_compared": compared, "tokens_generated": 32 * len(prompts),
             "mismatch": mismatch, "backend": type(runner.backend).__name__,
             "cuda_graph_buckets": sorted(runner.decode_graphs.graphs) if runner.decode_graphs else None,
-            "ok": mismatch is None and compared >= 16 * len(prompts), "torch": torch.__version__}
+            "seeded_sampling_repeats": sampled[0] == sampled[1], "unseeded_differs": sampled[2] != sampled[0],
+            "ok": mismatch is None and compared >= 16 * len(prompts) and sampled[0] == sampled[1],
+            "torch": torch.__version__}
 
 
 class _OnDevice:
