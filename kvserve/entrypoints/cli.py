@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvserve.config import SCHEDULING_POLICIES, SchedulerConfig
+from kvserve.config import CUDA_TOKEN_BUDGET, SCHEDULING_POLICIES, SchedulerConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -16,7 +16,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=float, default=1.0, help="KV-cache budget in GiB")
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=f"tokens per step (default {SchedulerConfig.max_num_batched_tokens} on the CPU, "
+                        f"{CUDA_TOKEN_BUDGET} on CUDA)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--scheduling-policy", choices=list(SCHEDULING_POLICIES), default="shortest-first",
                    help="admission order within a priority: fewest tokens to compute first (shortest-first, the "

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from kvserve.config import CacheConfig, EngineConfig, QuantConfig, SchedulerConfig, SpeculativeConfig
+from kvserve.config import (CUDA_TOKEN_BUDGET, CacheConfig, EngineConfig, QuantConfig, SchedulerConfig,
+                            SpeculativeConfig)
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.types import RequestOutput, SamplingParams
 
@@ -47,6 +48,9 @@ def engine_config(model: str | None = None, dtype: str = "float32", seed: int = 
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(_OPTIONS)}")
+    if options.get("max_num_batched_tokens") is None:  # the device's default token budget
+        options["max_num_batched_tokens"] = (CUDA_TOKEN_BUDGET if str(device).startswith("cuda")
+                                             else SchedulerConfig.max_num_batched_tokens)
     fields: dict[str, dict] = {name: {} for name in _SECTIONS}
     for name, value in options.items():
         section, field_name = _OPTIONS[name]
@@ -62,8 +66,8 @@ class LLM:
     ``model`` is a Hugging Face folder, a .gguf file, or None for the bundled SmolLM2-135M-Instruct.
     Options (defaults in kvserve/config.py): block_size=16, num_kv_blocks=None (size the pool from
     kv_cache_memory_bytes=1 GiB), enable_prefix_caching=True, max_num_seqs=64,
-    max_num_batched_tokens=1024, max_model_len=None, scheduling_policy="shortest-first" ("fcfs"),
-    speculative_method=None ("ngram" | "draft"),
+    max_num_batched_tokens=None (1024 on the CPU, 8192 on CUDA), max_model_len=None,
+    scheduling_policy="shortest-first" ("fcfs"), speculative_method=None ("ngram" | "draft"),
     num_speculative_tokens=4, speculative_model, speculative_ngram_min=1, speculative_ngram_max=4,
     speculative_max_batch_size=8, quantization=None (keep a GGUF file's block quantization; "none",
     "int8", "int4"), quantization_group_size=None (32; -1 = one scale per output channel, int8 only),

@@ -181,5 +181,28 @@ def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.
     pageable memory waits for the transfer), split back into views."""
     if device.type == "cpu":
         return tensors
-    flat = torch.cat([t.reshape(-1) for t in tensors]).to(device)
-    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+    return _unpack(_pack(tensors).to(device), tensors)
+
+
+def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors' values in one flat int64 tensor, each starting 16 bytes after a multiple of 16:
+    Triton specializes a kernel on its pointers' alignment, so unaligned views would compile another
+    variant mid-run."""
+    flat = torch.zeros(sum(_padded(t) for t in tensors), dtype=torch.long)
+    offset = 0
+    for t in tensors:
+        flat[offset:offset + t.numel()] = t.reshape(-1)
+        offset += _padded(t)
+    return flat
+
+
+def _unpack(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    parts, offset = [], 0
+    for t in like:
+        parts.append(flat[offset:offset + t.numel()].view(t.shape))
+        offset += _padded(t)
+    return parts
+
+
+def _padded(t: torch.Tensor) -> int:
+    return t.numel() + t.numel() % 2  # int64 elements: an even count keeps the next part 16-byte aligned

@@ -1,0 +1,27 @@
+"""A step's host tensors travel to the GPU in one copy; the views they come back as must equal them
+and start 16-byte aligned (Triton specializes kernels on pointer alignment)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.config import CUDA_TOKEN_BUDGET, SchedulerConfig
+from kvserve.entrypoints.llm import engine_config
+from kvserve.worker.model_runner import _pack, _unpack
+
+
+def test_packed_step_inputs_come_back_equal_and_aligned():
+    tensors = [torch.arange(3), torch.arange(5) * 7, torch.arange(12).view(3, 4), torch.tensor([], dtype=torch.long),
+               torch.tensor([9]), torch.arange(6).view(2, 3)[:, :2]]  # odd sizes, empty, 2-D, a strided view
+    flat = _pack(tensors)
+    parts = _unpack(flat, tensors)
+    for got, want in zip(parts, tensors):
+        assert got.shape == want.shape and torch.equal(got, want)
+        assert got.data_ptr() % 16 == 0
+
+
+def test_token_budget_default_depends_on_the_device():
+    assert engine_config(device="cpu").scheduler.max_num_batched_tokens == SchedulerConfig.max_num_batched_tokens
+    assert engine_config(device="cuda").scheduler.max_num_batched_tokens == CUDA_TOKEN_BUDGET
+    assert engine_config(device="cuda:1", max_num_batched_tokens=512).scheduler.max_num_batched_tokens == 512
+    assert engine_config(device="cpu", max_num_batched_tokens=None).scheduler.max_num_batched_tokens == 1024
