@@ -139,7 +139,13 @@ class ModelRunner:
             cache[:, dst] = cache[:, src]
 
     def _prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flat token ids, positions and attention metadata, built with vectorised ops."""
+        """Flat token ids, positions and attention metadata."""
+        if all(len(s.token_ids) == 1 for s in batch):
+            return self._prepare_decode(batch)
+        return self._prepare_mixed(batch)
+
+    def _prepare_mixed(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """``_prepare`` for any step, built with vectorised ops."""
         dev, bs = self.device, self.block_size
         lens = [len(s.token_ids) for s in batch]
         query_start = [0, *itertools.accumulate(lens)]
@@ -174,6 +180,30 @@ class ModelRunner:
             block_size=bs,
         )
         return input_ids, positions, meta
+
+
+    def _prepare_decode(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """``_prepare`` for a step of one token per sequence, from plain lists: the general path's
+        ~20 tensor ops took 0.3-0.4 ms of each single-stream CPU token (~3%)."""
+        bs, n = self.block_size, len(batch)
+        positions = [s.start_pos for s in batch]
+        seq_lens = [p + 1 for p in positions]
+        width = max(len(s.block_table) for s in batch)
+        decode_width = -(-max(seq_lens) // bs)
+        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in batch]
+        host = [torch.tensor([s.token_ids[0] for s in batch], dtype=torch.long),
+                torch.tensor(positions, dtype=torch.long),
+                torch.tensor([s.block_table[p // bs] * bs + p % bs for s, p in zip(batch, positions)], dtype=torch.long),
+                torch.tensor(rows, dtype=torch.long), torch.tensor(seq_lens, dtype=torch.long),
+                torch.arange(n, dtype=torch.long)]
+        host.append(host[3] if decode_width == width else torch.tensor([r[:decode_width] for r in rows],
+                                                                            dtype=torch.long))
+        input_ids, positions_t, slots, block_tables, seq_lens_t, token_index, decode_tables = _to_device(host, self.device)
+        meta = AttentionMetadata(num_seqs=n, query_start=list(range(n + 1)), seq_lens=seq_lens, slot_mapping=slots,
+                                 block_tables=block_tables, seq_lens_t=seq_lens_t, decode_seqs=list(range(n)),
+                                 prefill_seqs=[], decode_token_index=token_index, decode_block_tables=decode_tables,
+                                 decode_seq_lens=seq_lens_t, block_size=bs)
+        return input_ids, positions_t, meta
 
 
 def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

@@ -25,3 +25,38 @@ def test_token_budget_default_depends_on_the_device():
     assert engine_config(device="cuda").scheduler.max_num_batched_tokens == CUDA_TOKEN_BUDGET
     assert engine_config(device="cuda:1", max_num_batched_tokens=512).scheduler.max_num_batched_tokens == 512
     assert engine_config(device="cpu", max_num_batched_tokens=None).scheduler.max_num_batched_tokens == 1024
+
+
+def _runner(block_size: int):
+    from kvserve.worker.model_runner import ModelRunner
+
+    runner = ModelRunner.__new__(ModelRunner)  # only the input builders are exercised
+    runner.device, runner.block_size = torch.device("cpu"), block_size
+    return runner
+
+
+def test_decode_fast_path_builds_what_the_general_path_builds():
+    import random
+
+    from kvserve.scheduler.output import ScheduledRequest
+    from kvserve.types import SamplingParams
+
+    rng = random.Random(0)
+    for n in (1, 3, 40):
+        for block_size in (16, 5):
+            batch = []
+            for i in range(n):
+                pos = rng.randrange(0, 300)
+                blocks = -(-(pos + 1) // block_size) + rng.choice([0, 0, 1])  # sometimes a block to spare
+                batch.append(ScheduledRequest(str(i), [rng.randrange(1000)], pos, rng.sample(range(5000), blocks),
+                                              True, SamplingParams()))
+            runner = _runner(block_size)
+            fast, general = runner._prepare_decode(batch), runner._prepare_mixed(batch)
+            for a, b in zip(fast[:2], general[:2]):
+                assert torch.equal(a, b)
+            for name, value in vars(general[2]).items():
+                got = getattr(fast[2], name)
+                if name == "query_start_t":
+                    continue
+                assert (torch.equal(got, value) and got.is_contiguous()) if isinstance(value, torch.Tensor) \
+                    else got == value, name
