@@ -44,7 +44,7 @@ def _run_logged(cmd: list[str], log: Path, timeout: float) -> tuple[int, str, st
     err = log.with_suffix(".err")
     with log.open("w") as f, err.open("w") as g:
         try:
-            code = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=g, timeout=timeout).returncode
+            code = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=g, timeout=timeout, check=False).returncode
         except subprocess.TimeoutExpired:
             code = -9
     return code, log.read_text(errors="replace"), err.read_text(errors="replace")

@@ -7,8 +7,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from kvserve.config import (CUDA_TOKEN_BUDGET, CacheConfig, EngineConfig, QuantConfig, SchedulerConfig,
-                            SpeculativeConfig)
+from kvserve.config import CUDA_TOKEN_BUDGET, CacheConfig, EngineConfig, QuantConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.types import RequestOutput, SamplingParams
 

@@ -162,7 +162,8 @@ class ModelRunner:
         decode_width = -(-max((seq_lens[i] for i in decode_seqs), default=0) // bs)
         host = [input_ids, positions, slot_mapping, block_tables, torch.tensor(seq_lens, dtype=torch.long),
                 torch.tensor([query_start[i] for i in decode_seqs], dtype=torch.long),
-                block_tables[decode_seqs, :decode_width], torch.tensor([seq_lens[i] for i in decode_seqs], dtype=torch.long)]
+                block_tables[decode_seqs, :decode_width],
+                torch.tensor([seq_lens[i] for i in decode_seqs], dtype=torch.long)]
         (input_ids, positions, slot_mapping, block_tables, seq_lens_t, decode_token_index, decode_block_tables,
          decode_seq_lens) = _to_device(host, dev)
         meta = AttentionMetadata(
@@ -180,7 +181,6 @@ class ModelRunner:
             block_size=bs,
         )
         return input_ids, positions, meta
-
 
     def _prepare_decode(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """``_prepare`` for a step of one token per sequence, from plain lists: the general path's
@@ -215,9 +215,9 @@ def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.
 
 
 def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The tensors' values in one flat int64 tensor, each starting 16 bytes after a multiple of 16:
-    Triton specializes a kernel on its pointers' alignment, so unaligned views would compile another
-    variant mid-run."""
+    """The tensors' values in one flat int64 tensor, each starting at a multiple of 16 bytes: Triton
+    specializes a kernel on its pointers' alignment, so unaligned views would compile another variant
+    mid-run."""
     flat = torch.zeros(sum(_padded(t) for t in tensors), dtype=torch.long)
     offset = 0
     for t in tensors:
