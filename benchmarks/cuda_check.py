@@ -181,14 +181,18 @@ def run_profile(device: str, workdir: Path, dry_run: bool) -> dict:
             return result
         return wrapper
 
-    execute = core.runner.execute
+    schedule = core.scheduler.schedule
 
-    def execute_and_classify(out):
-        kind[0] = "decode" if all(len(s.token_ids) == 1 for s in out.scheduled) else "other"
-        steps[kind[0]] += 1
-        return execute(out)
+    def schedule_and_classify():
+        """Sets the step's kind as soon as it is scheduled: every phase timed after this (the
+        schedule call itself included) is counted under it."""
+        out = schedule()
+        if not out.is_empty:
+            kind[0] = "decode" if all(len(s.token_ids) == 1 for s in out.scheduled) else "other"
+            steps[kind[0]] += 1
+        return out
 
-    core.runner.execute = execute_and_classify
+    core.scheduler.schedule = schedule_and_classify
     for name, (owner, attr) in _PHASES.items():
         setattr(owners[owner], attr, timed(name, getattr(owners[owner], attr)))
     result = {}
@@ -201,8 +205,6 @@ def run_profile(device: str, workdir: Path, dry_run: bool) -> dict:
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - start
-        # engine.step's "other" covers the steps' prefill; the kind is set inside it, so its time lands
-        # under the kind of the step it ran.
         result[f"batch_{batch}"] = {"wall_s": round(wall, 4), "steps": dict(steps), "ms_per_step": {
             k: {name: round(1000 * t / max(1, steps[k]), 3) for name, t in phases.items()} for k, phases in totals.items()}}
     return result
