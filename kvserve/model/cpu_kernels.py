@@ -41,6 +41,13 @@ def _cpu_signature() -> str:
     return flags
 
 
+def _vendor_flags() -> list[str]:
+    """Kernel constants tuned per CPU vendor (packed_linear.cpp's few-row streaming of W)."""
+    from kvserve.worker.threads import cpu_vendor
+
+    return ["-DKVSERVE_AMD"] if cpu_vendor() == "AuthenticAMD" else []
+
+
 @cache
 def load_kernels() -> ModuleType | None:
     """The compiled module, or None (with a warning) if it cannot be built here.
@@ -51,7 +58,7 @@ def load_kernels() -> ModuleType | None:
 
     from kvserve.frontend.tokenizer import cache_dir
 
-    cflags = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", *_OPENMP]
+    cflags = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", *_OPENMP, *_vendor_flags()]
     code = b"".join(p.read_bytes() for p in [*_SOURCES, *sorted(_HEADERS[0].glob("*.h"))])
     digest = hashlib.sha256(code + _cpu_signature().encode() + " ".join(cflags).encode()).hexdigest()[:12]
     build_dir = cache_dir() / "kernels" / digest

@@ -27,7 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention, "paged causal prefill attention, bf16 on AMX or AVX512-BF16 (CPU)",
         no_gil);
 
-  py::class_<LinearSpec>(m, "LinearSpec")
+  py::class_<LinearSpec>(m, "LinearSpec", py::module_local())
       .def(py::init([](int64_t kind, at::Tensor weight, c10::optional<at::Tensor> scales,
                        c10::optional<at::Tensor> zeros, c10::optional<at::Tensor> factors,
                        c10::optional<at::Tensor> bias, int64_t group, int64_t bits, int64_t max_fused_rows,
@@ -44,14 +44,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("tile_bytes") = 0, py::arg("out_features") = 0, py::arg("gated") = false)
       .def("__call__", &LinearSpec::apply, no_gil)
       .def("silu_mul", &LinearSpec::apply_silu_mul, "SiLU(gate) * up of the layer's output", no_gil);
-  py::class_<LayerSpec>(m, "LayerSpec")
+  py::class_<LayerSpec>(m, "LayerSpec", py::module_local())
       .def(py::init([](LinearSpec qkv, LinearSpec o, LinearSpec gate_up, LinearSpec down, at::Tensor input_norm,
                        at::Tensor post_norm, c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm) {
         TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
         return LayerSpec{std::move(qkv), std::move(o), std::move(gate_up), std::move(down), std::move(input_norm),
                          std::move(post_norm), std::move(q_norm), std::move(k_norm)};
       }));
-  py::class_<LlamaDecoder>(m, "LlamaDecoder")
+  py::class_<LlamaDecoder>(m, "LlamaDecoder", py::module_local())
       .def(py::init<std::vector<LayerSpec>, at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>, int64_t,
                     int64_t, int64_t, double, double, int64_t>())
       .def("forward", &LlamaDecoder::forward, "hidden states after the final norm, for one decode token per sequence",
