@@ -27,7 +27,14 @@
 namespace {
 
 #if defined(KVSERVE_BF16)
-constexpr int64_t kTaskTokens = 64;  // query tokens per task: 4 tiles of 16
+// A task packs the keys its queries see, so a whole sequence per kv head is the cheapest task (with a
+// task per 64 queries a 512-token prompt packed its keys 4.5 times over). Sequences are cut into
+// pieces (multiples of kPieceTokens queries) only where one would hold more than 1 / kTasksPerThread
+// of a thread's share of the work, and pieces run largest first, so the threads finish together. With
+// per-thread scratch kept between calls, W2's prompts in 1,024-token steps (one layer) took 28.8 ms
+// instead of 30.6.
+constexpr int64_t kPieceTokens = 64;
+constexpr int64_t kTasksPerThread = 4;  // 2 and 8 no better
 
 struct Task {
   int64_t seq, kv_head, first, last;  // query tokens first..last-1 of sequence seq (its chunk's index)
@@ -284,15 +291,35 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   const int64_t num_seqs = static_cast<int64_t>(seq_lens.size());
   TORCH_CHECK(tables.size(0) == num_seqs && static_cast<int64_t>(query_start.size()) == num_seqs + 1 &&
                   query_start.back() <= q.size(0), "block_tables, seq_lens and query_start disagree");
-  std::vector<Task> tasks;
+  // Work of queries [first, last) of a sequence with `context` cached keys: the keys they see.
+  const auto work = [&](int64_t s, int64_t first, int64_t last) {
+    return (last - first) * (sl[s] - (qs[s + 1] - qs[s]) + (first + last + 1) / 2);
+  };
+  int64_t total = 0;
   for (const int64_t s : seqs) {
     TORCH_CHECK(s >= 0 && s < num_seqs, "sequence index ", s, " out of range");
     const int64_t n = qs[s + 1] - qs[s];
     TORCH_CHECK(n <= sl[s] && sl[s] <= tables.size(1) * block_size, "sequence ", s, " does not fit its block table");
-    for (int64_t h = 0; h < num_kv_heads; ++h)
-      for (int64_t first = 0; first < n; first += kTaskTokens)
-        tasks.push_back({s, h, first, std::min(n, first + kTaskTokens)});
+    total += work(s, 0, n) * num_kv_heads;
   }
+  const int64_t limit = std::max<int64_t>(1, total / (kTasksPerThread * at::get_num_threads()));
+  std::vector<Task> tasks;
+  std::vector<int64_t> cost;
+  for (const int64_t s : seqs) {
+    const int64_t n = qs[s + 1] - qs[s];
+    for (int64_t first = 0; first < n;) {
+      int64_t last = std::min(n, first + kPieceTokens);
+      while (last < n && work(s, first, std::min(n, last + kPieceTokens)) <= limit) last = std::min(n, last + kPieceTokens);
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        tasks.push_back({s, h, first, last});
+        cost.push_back(work(s, first, last));
+      }
+      first = last;
+    }
+  }
+  std::vector<int64_t> order(tasks.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
   const CacheRows kp{static_cast<const uint8_t*>(k_cache.data_ptr()), kv_kind, D};
   const CacheRows vp{static_cast<const uint8_t*>(v_cache.data_ptr()), kv_kind, D};
@@ -306,10 +333,11 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
 #if defined(KVSERVE_AMX)
     if (amx) simd::configure_tiles();
 #endif
-    Scratch sc;
-    std::vector<int64_t> rows;
+    // Per thread and kept between calls: fresh buffers cost page faults in every layer.
+    static thread_local Scratch sc;
+    static thread_local std::vector<int64_t> rows;
     for (int64_t i = begin; i < end; ++i) {
-      const Task& t = tasks[i];
+      const Task& t = tasks[order[i]];
       run_task(t, qp, q.stride(0), kp, vp, op, bt + t.seq * tables.size(1), sl[t.seq], qs[t.seq],
                qs[t.seq + 1] - qs[t.seq], num_heads, num_kv_heads, D, block_size, static_cast<float>(scale), amx, sc,
                rows);
