@@ -38,6 +38,7 @@ constexpr int64_t kTasksPerThread = 4;  // 2 and 8 no better
 
 struct Task {
   int64_t seq, kv_head, first, last;  // query tokens first..last-1 of sequence seq (its chunk's index)
+  int64_t work;                       // keys its queries see, summed: tasks run largest first
 };
 
 struct Scratch {
@@ -304,22 +305,16 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   }
   const int64_t limit = std::max<int64_t>(1, total / (kTasksPerThread * at::get_num_threads()));
   std::vector<Task> tasks;
-  std::vector<int64_t> cost;
   for (const int64_t s : seqs) {
     const int64_t n = qs[s + 1] - qs[s];
     for (int64_t first = 0; first < n;) {
       int64_t last = std::min(n, first + kPieceTokens);
       while (last < n && work(s, first, std::min(n, last + kPieceTokens)) <= limit) last = std::min(n, last + kPieceTokens);
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
-        tasks.push_back({s, h, first, last});
-        cost.push_back(work(s, first, last));
-      }
+      for (int64_t h = 0; h < num_kv_heads; ++h) tasks.push_back({s, h, first, last, work(s, first, last)});
       first = last;
     }
   }
-  std::vector<int64_t> order(tasks.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.work > b.work; });
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
   const CacheRows kp{static_cast<const uint8_t*>(k_cache.data_ptr()), kv_kind, D};
   const CacheRows vp{static_cast<const uint8_t*>(v_cache.data_ptr()), kv_kind, D};
@@ -337,7 +332,7 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
     static thread_local Scratch sc;
     static thread_local std::vector<int64_t> rows;
     for (int64_t i = begin; i < end; ++i) {
-      const Task& t = tasks[order[i]];
+      const Task& t = tasks[i];
       run_task(t, qp, q.stride(0), kp, vp, op, bt + t.seq * tables.size(1), sl[t.seq], qs[t.seq],
                qs[t.seq + 1] - qs[t.seq], num_heads, num_kv_heads, D, block_size, static_cast<float>(scale), amx, sc,
                rows);
