@@ -170,6 +170,7 @@ class Request:
     fork_of: str | None = None  # n > 1: a sibling whose prompt KV this request shares instead of recomputing
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
     arrival_seq: int = 0  # set by the scheduler: FCFS order, kept across preemption
+    arrival_step: int = 0  # set by the scheduler: steps scheduled before it came (same value: arrived together)
     num_skips: int = 0  # times cache-aware admission let a later request go first
     num_overtaken_tokens: int = 0  # shortest-first: tokens admitted for later arrivals while this one waited
     spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify in the next step

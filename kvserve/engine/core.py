@@ -102,6 +102,7 @@ class EngineCore:
         self.runner = ModelRunner(model, self.model_config, backend, self.kv_info.num_blocks, self.kv_info.block_size,
                                   config.torch_dtype, device, config.seed, cuda_graphs=graphs)
         self.num_steps = 0
+        self.num_batched_tokens = 0  # tokens computed over all steps (prompt chunks, decodes, proposals)
         self.spec = self._make_speculation(config)
 
     def _make_speculation(self, config: EngineConfig) -> SpeculativeController | None:
@@ -156,6 +157,30 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     # ---- the loop -----------------------------------------------------------------------------
+    def warm_up(self, num_tokens: int = 256, rounds: int = 2) -> float:
+        """Prefill ``num_tokens`` synthetic tokens ``rounds`` times; returns the last round's rate in
+        tokens/s. A fresh process's first steps pay one-time costs (worker threads starting, buffers
+        touched for the first time): a server pays them at load rather than in its first request's
+        latency, and learns how long a prefill takes here (frontend/client.py sizes its burst window
+        by it). Nothing is left behind: no cached blocks, the step counters as they were."""
+        if self.has_unfinished():
+            raise RuntimeError("warm_up needs an idle engine")
+        n = max(1, min(num_tokens, self.max_model_len - 1, self.config.scheduler.max_num_batched_tokens))
+        kv, counters = self.kv_cache, (self.num_steps, self.num_batched_tokens)
+        caching, kv.enable_prefix_caching = kv.enable_prefix_caching, False
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        try:
+            for i in range(rounds):
+                self.add_request(f"warm-up-{i}", [(31 * j + i) % self.model_config.vocab_size for j in range(n)], params)
+                start = time.perf_counter()
+                while self.has_unfinished():
+                    self.step()
+                elapsed = time.perf_counter() - start
+        finally:
+            kv.enable_prefix_caching = caching
+            self.num_steps, self.num_batched_tokens = counters
+        return n / elapsed
+
     def step(self) -> list[StepUpdate]:
         out = self.scheduler.schedule()
         if out.is_empty:
@@ -167,6 +192,7 @@ class EngineCore:
                 req.metrics.first_scheduled = now
         sampled = self.runner.execute(out)
         self.num_steps += 1
+        self.num_batched_tokens += out.num_batched_tokens
         self._record_prompt_logprobs(sampled)
         updates = [self._append_tokens(self.scheduler.requests[rid], [tok], sampled.logprobs.get(rid))
                    for rid, tok in sampled.token_ids.items()]

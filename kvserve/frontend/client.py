@@ -36,9 +36,14 @@ logger = logging.getLogger("kvserve.client")
 # window widens to BURST_GAP_S. W2's 64 requests reached the engine over ~40-60 ms, with gaps of
 # up to ~30 ms (the client encoding, the event loop parsing bodies before their handlers submit);
 # a step started on the first ones put every first token ~0.2 s later.
+# The first request's own window grows with the step it would start alone, to BURST_STEP_FRACTION of
+# that step's time (estimated from the prefill rate the engine's warm-up measured), at most
+# BURST_GAP_S: on two Zen 4 cores W2's second request came 11-12 ms after the first, so its 473-token
+# prompt ran alone for 0.4 s while the other 63 waited; a lone request pays at most a tenth more.
 BURST_QUIET_S = 0.004
 BURST_GAP_S = 0.02
 BURST_MAX_WAIT_S = 0.1
+BURST_STEP_FRACTION = 0.1
 
 
 class IncomingRequests:
@@ -158,6 +163,7 @@ class AsyncEngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._prefill_rate: float | None = None  # tokens/s, measured by the engine's warm-up
 
     # ---- lifecycle (event loop side) ---------------------------------------------------------
     def start(self) -> None:
@@ -256,6 +262,8 @@ class AsyncEngineClient:
     def _run(self) -> None:
         try:
             engine = LLMEngine(self.config)
+            self._prefill_rate = engine.core.warm_up()
+            logger.info("warm-up: prefill at %.0f tokens/s", self._prefill_rate)
             self.info = _model_info(engine)
             self._publish(engine)
             while self._handle_commands(engine, block=not engine.has_unfinished()):
@@ -278,6 +286,7 @@ class AsyncEngineClient:
         # which would otherwise run on the first few requests and starve the HTTP layer of CPU.
         start = time.perf_counter()
         deadline = start + BURST_MAX_WAIT_S if block else 0.0
+        first_quiet = self._first_quiet(command)
         taken = 0
         while True:
             if command[0] == "stop":
@@ -285,7 +294,7 @@ class AsyncEngineClient:
                 return False
             changed |= self._apply(engine, command)
             taken += 1
-            command = self._next_in_burst(deadline, BURST_QUIET_S if taken < 2 else BURST_GAP_S)
+            command = self._next_in_burst(deadline, first_quiet if taken < 2 else BURST_GAP_S)
             if command is None:
                 break
         if block:
@@ -293,6 +302,14 @@ class AsyncEngineClient:
         if changed:
             self._publish(engine)
         return True
+
+    def _first_quiet(self, command: tuple) -> float:
+        """How long a lone request waits for company: BURST_STEP_FRACTION of the prefill it would
+        run alone, within [BURST_QUIET_S, BURST_GAP_S]."""
+        if command[0] != "add" or not self._prefill_rate:
+            return BURST_QUIET_S
+        alone_s = len(command[2]) / self._prefill_rate
+        return min(BURST_GAP_S, max(BURST_QUIET_S, BURST_STEP_FRACTION * alone_s))
 
     def _next_in_burst(self, deadline: float, quiet: float) -> tuple | None:
         """The next command, waiting (until ``deadline``) while requests are still arriving: one

@@ -68,9 +68,10 @@ class WaitingQueue:
 
     def charge_overtaken(self, admitted: Request, num_tokens: int) -> None:
         """``admitted`` (still queued) is about to compute ``num_tokens``: charge them to every request
-        of its priority that arrived before it and still waits."""
+        of its priority that arrived before it, in an earlier step, and still waits. Requests that came
+        before the same step arrived together (a burst): their order among themselves starves no one."""
         for r in self._items:
             if r is admitted:
                 return
-            if r.priority == admitted.priority:
+            if r.priority == admitted.priority and r.arrival_step < admitted.arrival_step:
                 r.num_overtaken_tokens += num_tokens

@@ -29,12 +29,14 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._arrivals = itertools.count()
+        self._num_schedules = 0
 
     # ---- queue management -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         request.arrival_seq = next(self._arrivals)
+        request.arrival_step = self._num_schedules
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -57,6 +59,7 @@ class Scheduler:
     # ---- the step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._num_schedules += 1
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=order_key)  # highest priority first; preemption takes from the back
         budget = self._schedule_running(out, budget)

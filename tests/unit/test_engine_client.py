@@ -59,6 +59,20 @@ def test_outputs_equal_offline_and_blocks_come_back(tiny_llama):
     assert busy > 0 and idle == 0
 
 
+def test_warm_up_leaves_nothing_behind(tiny_llama):
+    core = LLMEngine(_config(tiny_llama)).core
+    free = core.kv_cache.num_free_blocks
+    rate = core.warm_up(num_tokens=40)
+    assert rate > 0
+    assert not core.has_unfinished() and core.num_steps == 0 and core.num_batched_tokens == 0
+    kv = core.kv_cache
+    assert kv.num_free_blocks == free and kv.pool.num_cached_blocks == 0  # nothing left in the prefix cache
+    assert kv.enable_prefix_caching and kv.prefix_stats.queries == 0
+    core.add_request("busy", [5, 6], GREEDY)
+    with pytest.raises(RuntimeError, match="idle"):
+        core.warm_up()
+
+
 def test_queue_bound_refuses_at_once(tiny_llama):
     async def main():
         client = AsyncEngineClient(_config(tiny_llama, max_num_seqs=1), max_queue=2)
@@ -168,6 +182,26 @@ def test_a_burst_widens_the_quiet_window(monkeypatch):
     assert lone._handle_commands(engine, block=True)
     later.join()
     assert engine.added == ["alone"]  # a single request did not wait for the wide window
+
+
+def test_a_lone_long_prompt_waits_longer_for_company(monkeypatch):
+    import threading
+
+    import kvserve.frontend.client as client_module
+
+    # The first request's window is a tenth of the prefill it would run alone (at the warm-up's rate),
+    # within [quiet_s, gap_s]: 5,000 tokens at 1,000 tokens/s wait 0.5 s, 10 tokens the 0.02 s floor.
+    monkeypatch.setattr(client_module, "BURST_STEP_FRACTION", 0.1)
+    for prompt_len, want in [(10, ["alone"]), (5000, ["alone", "later"])]:
+        client, engine = _idle_client(monkeypatch, quiet_s=0.02, max_wait_s=10.0, gap_s=2.0)
+        client._prefill_rate = 1000.0
+        client._commands.put(("add", "alone", [5] * prompt_len, GREEDY, 0.0))
+        later = threading.Timer(0.15, lambda c=client: c._commands.put(_add("later")))
+        later.start()
+        assert client._handle_commands(engine, block=True)
+        later.join()
+        assert engine.added == want, prompt_len
+    assert client._first_quiet(("add", "x", [5] * 100_000, GREEDY, 0.0)) == 2.0  # capped at the gap window
 
 
 def test_the_burst_wait_is_capped(monkeypatch):

@@ -44,14 +44,31 @@ def test_shortest_first_admits_the_least_work_first():
 
 def test_shortest_first_bounds_how_long_a_long_prompt_waits():
     # The budget is 8 tokens a step, so "long" may be overtaken by 4 x 8 = 32 tokens of later,
-    # shorter arrivals, then it goes next.
+    # shorter arrivals (one per step here), then it goes next.
+    sched = _scheduler("shortest-first", budget=8)
+    _add(sched, "long", 60, first_token=1000)
+    _add(sched, "s0", 8, first_token=2000)
+    order = []
+    for i in range(1, 12):
+        out = sched.schedule()
+        order += [s.request_id for s in out.scheduled if s.request_id not in order]
+        sched.update_after_step(out)
+        _add(sched, f"s{i}", 8, first_token=2000 + 100 * i)
+    # s0 came with "long" (not charged); s1-s4 came later, 32 tokens: then "long" went next.
+    assert order[:6] == ["s0", "s1", "s2", "s3", "s4", "long"], order
+    assert sched.requests["long"].num_overtaken_tokens == 32
+
+
+def test_shortest_first_orders_a_burst_by_length_alone():
+    # Requests that arrive before the same step are a burst: however many short ones came with it,
+    # none of them counts as overtaking "long", which goes last.
     sched = _scheduler("shortest-first", budget=8)
     _add(sched, "long", 60, first_token=1000)
     for i in range(10):
         _add(sched, f"s{i}", 8, first_token=2000 + 100 * i)
     order = _admission_order(sched)
-    assert order.index("long") == 4, order
-    assert order[:4] == ["s0", "s1", "s2", "s3"]
+    assert order == [f"s{i}" for i in range(10)] + ["long"], order
+    assert sched.requests["long"].num_overtaken_tokens == 0
 
 
 def test_shortest_first_counts_a_cached_prefix_as_done():
