@@ -157,7 +157,7 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     # ---- the loop -----------------------------------------------------------------------------
-    def warm_up(self, num_tokens: int = 256, rounds: int = 2) -> float:
+    def warm_up(self, num_tokens: int = 64, rounds: int = 2) -> float:
         """Prefill ``num_tokens`` synthetic tokens ``rounds`` times; returns the last round's rate in
         tokens/s. A fresh process's first steps pay one-time costs (worker threads starting, buffers
         touched for the first time): a server pays them at load rather than in its first request's
