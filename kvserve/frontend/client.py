@@ -37,13 +37,14 @@ logger = logging.getLogger("kvserve.client")
 # up to ~30 ms (the client encoding, the event loop parsing bodies before their handlers submit);
 # a step started on the first ones put every first token ~0.2 s later.
 # The first request's own window grows with the step it would start alone, to BURST_STEP_FRACTION of
-# that step's time (estimated from the prefill rate the engine's warm-up measured), at most
-# BURST_GAP_S: on two Zen 4 cores W2's second request came 11-12 ms after the first, so its 473-token
-# prompt ran alone for 0.4 s while the other 63 waited; a lone request pays at most a tenth more.
+# that step's time (estimated from the prefill rate the engine's warm-up measured, which a 64-token
+# prefill understates), at most BURST_GAP_S: on two Zen 4 cores a cold W2 burst's second request came
+# 11-12 ms after the first, so its 473-token prompt ran alone for 0.4 s while the other 63 waited.
+# A lone request pays at most ~5% more (a 128-token prompt here: ~6 ms instead of 4).
 BURST_QUIET_S = 0.004
 BURST_GAP_S = 0.02
 BURST_MAX_WAIT_S = 0.1
-BURST_STEP_FRACTION = 0.1
+BURST_STEP_FRACTION = 0.05
 
 
 class IncomingRequests:
