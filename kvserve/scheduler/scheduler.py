@@ -112,6 +112,7 @@ class Scheduler:
         # and requests whose next uncached block another request is computing (next step it is a hit).
         deferred = []
         in_flight = self._in_flight_blocks()
+        first_tokens = any(_is_first_token(s) for s in out.scheduled)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.policy.pick(self.waiting, self._work_left)
             leader = self._fork_leader(request)
@@ -119,6 +120,11 @@ class Scheduler:
                 self.waiting.remove(request)
                 deferred.append(request)
                 continue
+            if first_tokens and self._work_left(request) > budget:
+                # A chunk that cannot finish its prompt now would only delay the first tokens this step
+                # already brings; next step it goes first among prompts (it is the least work left, or
+                # overdue), so nothing starves. Decodes alone never hold a chunk back.
+                break
             num_new = self._admit(request, leader, budget, out)
             if num_new == 0:
                 break
@@ -127,6 +133,7 @@ class Scheduler:
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             out.scheduled.append(self._scheduled(request, num_new))
+            first_tokens = first_tokens or _is_first_token(out.scheduled[-1])
             budget -= num_new
             in_flight.update(self.kv_cache.uncached_keys(request, request.num_computed_tokens // self.kv_cache.block_size))
         for request in deferred:
@@ -221,3 +228,8 @@ class Scheduler:
                 rejected = len(s.spec_token_ids) - (num_accepted or {}).get(s.request_id, 0)
                 request.num_computed_tokens += len(s.token_ids) - rejected
                 self.kv_cache.commit_computed(request)
+
+
+def _is_first_token(s: ScheduledRequest) -> bool:
+    """The step completes this request's prompt (or its recomputation after preemption) and samples."""
+    return s.sample and s.start_pos < len(s.prompt_token_ids)

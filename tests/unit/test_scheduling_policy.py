@@ -71,6 +71,20 @@ def test_shortest_first_orders_a_burst_by_length_alone():
     assert sched.requests["long"].num_overtaken_tokens == 0
 
 
+def test_a_chunk_that_cannot_finish_its_prompt_does_not_delay_first_tokens():
+    # Budget 16: "short" (6 tokens) gets its first token this step; "long" (20) could not finish its
+    # prompt in the 10 left, so it starts next step instead of lengthening this one.
+    sched = _scheduler("shortest-first", budget=16)
+    _add(sched, "short", 6, first_token=100)
+    _add(sched, "long", 20, first_token=500)
+    out = sched.schedule()
+    assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [("short", 6)]
+    sched.update_after_step(out)
+    sched.requests["short"].output_token_ids.append(7)  # its first token, as the engine appends it
+    out = sched.schedule()  # a decode alone does not hold a chunk back
+    assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [("short", 1), ("long", 15)]
+
+
 def test_shortest_first_counts_a_cached_prefix_as_done():
     sched = _scheduler("shortest-first", budget=64)
     _add(sched, "warm", 32, first_token=7)
