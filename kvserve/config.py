@@ -169,8 +169,8 @@ class SchedulerConfig:
     ``policy``: which waiting request is admitted next, within a priority. "shortest-first" (the
     default): the one with the fewest tokens left to compute (prompt minus cached prefix), so a
     burst's short prompts get their first token without queueing behind long ones; a request passed
-    over by more than four steps' token budget of admissions goes next, so long prompts wait a
-    bounded time. "fcfs": arrival order (preferring a cached prefix among the next few).
+    over by four steps' token budget of later arrivals goes next, so long prompts wait a bounded time
+    (scheduler/policies.py). "fcfs": arrival order (preferring a cached prefix among the next few).
 
     ``max_num_batched_tokens``: 1024 by default. A burst's prompts then come out in steps of ~0.25 s
     on two CPU cores instead of ~0.5 s: W2's median first token came 10% sooner than at 2048 for the

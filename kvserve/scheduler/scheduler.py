@@ -231,5 +231,6 @@ class Scheduler:
 
 
 def _is_first_token(s: ScheduledRequest) -> bool:
-    """The step completes this request's prompt (or its recomputation after preemption) and samples."""
+    """The step computes the end of this request's prompt and samples: its first token (or, resuming
+    after preemption, its next one)."""
     return s.sample and s.start_pos < len(s.prompt_token_ids)
