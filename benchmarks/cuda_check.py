@@ -4,7 +4,7 @@
     python benchmarks/cuda_check.py --out DIR --dry-run  # the same steps on the CPU, tiny shapes
 
 Each step's result goes into DIR/cuda_check.json as soon as it ends; a failed step is recorded and
-the next one still runs. The steps run in the order parity, speed, profile, tests by default.
+the next one still runs. The steps run in the order parity, speed, speed_8b, profile, tests by default.
 
 1. tests: pytest of the Triton kernels (attention, elementwise) against the PyTorch reference (adds
    bfloat16 on the GPU) and of the engine on them against transformers, with decode steps replayed
@@ -15,7 +15,9 @@ the next one still runs. The steps run in the order parity, speed, profile, test
 3. speed: a random-weight Llama of TinyLlama-1.1B's shape in bfloat16 through
    ``kvserve bench roofline --device cuda``, with CUDA graphs and with ``--enforce-eager``:
    single-stream decode tok/s against the bandwidth bound, batched tok/s against the matmul peak.
-4. profile: where a step's time goes on that model (CUDA graphs on), at batch 1 and 256: each
+4. speed_8b: the same (CUDA graphs only) on a random-weight Llama of Llama-3-8B's shape (16 GB of
+   weights), where a decode step's time is the weights' reading rather than ~250 kernel launches.
+5. profile: where a step's time goes on the 1B model (CUDA graphs on), at batch 1 and 256: each
    phase of the engine loop timed with the device synchronized around it, by step kind.
 """
 
@@ -105,18 +107,20 @@ class _OnDevice:
         return out
 
 
-def run_speed(device: str, workdir: Path, out: Path, dry_run: bool) -> dict:
-    batch_sizes = "2,4" if dry_run else "1,32,64,128,256"
+def run_speed(device: str, workdir: Path, out: Path, dry_run: bool, size: str = "1b") -> dict:
+    """``kvserve bench roofline`` on the random ``size`` model; the 1B one also without CUDA graphs."""
+    batch_sizes = "2,4" if dry_run else ("1,32,64,128,256" if size == "1b" else "1,64,128,256")
     start = time.perf_counter()
-    path, shape = _llama_1b(device, workdir, dry_run)
+    path, shape = _random_llama(size, device, workdir, dry_run)
     result = {"model_shape": shape, "write_seconds": round(time.perf_counter() - start, 1)}
-    for name, extra in (("cuda_graphs", []), ("eager", ["--enforce-eager"])):
+    modes = (("cuda_graphs", []), ("eager", ["--enforce-eager"])) if size == "1b" else (("cuda_graphs", []),)
+    for name, extra in modes:
         cmd = [sys.executable, "-c", "import sys; from kvserve.entrypoints.cli import main; sys.exit(main())",
                "bench", "roofline", "--model", str(path), "--device", device, "--dtype", "bfloat16",
                "--batch-sizes", batch_sizes, "--kv-cache-memory", "0.05" if dry_run else "40",
                "--prompt-len", "16" if dry_run else "128", "--single-output-len", "8" if dry_run else "256",
                "--output-len", "8" if dry_run else "128", "--json", *extra]
-        code, text, err = _run_logged(cmd, out / f"roofline_{name}.log", timeout=240)
+        code, text, err = _run_logged(cmd, out / f"roofline_{size}_{name}.log", timeout=300)
         if code != 0:
             result[name] = {"returncode": code, "error": err[-3000:]}
             continue
@@ -129,18 +133,21 @@ def run_speed(device: str, workdir: Path, out: Path, dry_run: bool) -> dict:
     return result
 
 
-def _llama_1b(device: str, workdir: Path, dry_run: bool) -> tuple[Path, dict]:
+def _random_llama(size: str, device: str, workdir: Path, dry_run: bool) -> tuple[Path, dict]:
+    """A random-weight bf16 Llama of TinyLlama-1.1B's (``1b``) or Llama-3-8B's (``8b``) shape."""
     import torch
 
-    from kvserve.bench.random_model import LLAMA_1B_SHAPE, write_random_model
+    from kvserve.bench.random_model import LLAMA_1B_SHAPE, LLAMA_8B_SHAPE, write_random_model
 
-    shape = dict(LLAMA_1B_SHAPE, initializer_range=0.02)
+    shape = dict({"1b": LLAMA_1B_SHAPE, "8b": LLAMA_8B_SHAPE}[size], initializer_range=0.02)
     if dry_run:
         shape.update(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=32, vocab_size=1024)
-    path = workdir / "llama-1b"
+    path = workdir / f"llama-{size}"
     if not (path / "config.json").exists():
         write_random_model(path, dtype=torch.bfloat16, device=device, **shape)
+        if device == "cuda":
+            torch.cuda.empty_cache()  # the writer's copy of the weights: the benchmark runs in another process
     return path, shape
 
 
@@ -159,7 +166,7 @@ def run_profile(device: str, workdir: Path, dry_run: bool) -> dict:
 
     from kvserve import LLM, SamplingParams
 
-    path, _ = _llama_1b(device, workdir, dry_run)
+    path, _ = _random_llama("1b", device, workdir, dry_run)
     batches = (1, 4) if dry_run else (1, 256)
     llm = LLM(model=str(path), device=device, dtype="bfloat16", max_num_seqs=max(batches), quantization="none",
               enable_prefix_caching=False, kv_cache_memory_bytes=(1 if dry_run else 20) * 2**30)
@@ -214,7 +221,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: checks this script, not CUDA")
-    parser.add_argument("--steps", default="parity,speed,profile,tests", help="the order matters if the lease ends early")
+    parser.add_argument("--steps", default="parity,speed,speed_8b,profile,tests", help="the order matters if the lease ends early")
     args = parser.parse_args()
 
     import torch
@@ -243,8 +250,9 @@ def main() -> int:
                     results[step] = run_parity(device, Path(tmp))
                 elif step == "profile":
                     results[step] = run_profile(device, Path(tmp), args.dry_run)
-                elif step == "speed":
-                    results[step] = run_speed(device, Path(tmp), args.out, args.dry_run)
+                elif step in ("speed", "speed_8b"):
+                    size = "8b" if step == "speed_8b" else "1b"
+                    results[step] = run_speed(device, Path(tmp), args.out, args.dry_run, size)
                 else:
                     raise ValueError(f"unknown step {step!r}")
             except Exception:
@@ -252,12 +260,12 @@ def main() -> int:
             results[step]["seconds"] = round(time.perf_counter() - start, 1)
             out_file.write_text(json.dumps(results, indent=2))
             print(f"{step}: done in {results[step]['seconds']} s", flush=True)
-    print(json.dumps({k: v for k, v in results.items() if k not in ("speed", "profile")}, indent=2)[:3000])
+    print(json.dumps({k: v for k, v in results.items() if not k.startswith(("speed", "profile"))}, indent=2)[:3000])
     print(json.dumps(results.get("profile"), indent=1)[:4000])
-    for name in ("cuda_graphs", "eager"):
-        entry = results.get("speed", {}).get(name, {})
+    for step, name in (("speed", "cuda_graphs"), ("speed", "eager"), ("speed_8b", "cuda_graphs")):
+        entry = results.get(step, {}).get(name, {})
         if "best_tok_s" in entry:
-            print(f"{name}: single stream {entry['single_stream_tok_s']:.1f} tok/s "
+            print(f"{step} {name}: single stream {entry['single_stream_tok_s']:.1f} tok/s "
                   f"({100 * entry['single_stream_fraction']:.0f}% of bandwidth bound); best batch "
                   f"{entry['best_batch']}: {entry['best_tok_s']:.1f} tok/s "
                   f"({100 * entry['best_flops_fraction']:.1f}% of matmul peak)")

@@ -1,6 +1,6 @@
 """Random-weight Hugging Face checkpoints of any Llama-family shape, for tests and benchmarks.
 
-No model can be downloaded here, so the tests write tiny ones and the GPU check writes a ~1B one:
+No model can be downloaded here, so the tests write tiny ones and the GPU check ~1B and ~8B ones:
 config.json + safetensors from transformers' own model classes (the parity reference), and a
 word-level tokenizer ("w3", "w4", ...) covering the vocabulary so outputs can be detokenized.
 """
@@ -21,6 +21,10 @@ TINY_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hid
 LLAMA_1B_SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                       num_attention_heads=32, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
                       tie_word_embeddings=False)
+# Llama-3-8B's shape: large enough that a decode step is bound by its weights, not by kernel launches.
+LLAMA_8B_SHAPE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+                      rope_theta=500000.0, tie_word_embeddings=False)
 
 
 def word_tokenizer(vocab_size: int):
