@@ -194,10 +194,11 @@ class EngineCore:
         self.num_steps += 1
         self.num_batched_tokens += out.num_batched_tokens
         self._record_prompt_logprobs(sampled)
-        updates = [self._append_tokens(self.scheduler.requests[rid], [tok], sampled.logprobs.get(rid))
+        now, requests, logprobs = time.perf_counter(), self.scheduler.requests, sampled.logprobs
+        updates = [self._append_tokens(requests[rid], [tok], now, logprobs.get(rid))
                    for rid, tok in sampled.token_ids.items()]
         if self.spec is not None:
-            updates += self._append_verified(out, sampled.spec_token_ids)
+            updates += self._append_verified(out, sampled.spec_token_ids, now)
         # Counters advance after the new tokens are known: the prefix cache hashes full blocks by content.
         accepted = {rid: len(tokens) - 1 for rid, tokens in sampled.spec_token_ids.items()}
         self.scheduler.update_after_step(out, accepted)
@@ -205,13 +206,13 @@ class EngineCore:
             self.spec.propose(self.scheduler.running)
         return updates
 
-    def _append_verified(self, out: SchedulerOutput, emitted: dict[str, list[int]]) -> list[StepUpdate]:
+    def _append_verified(self, out: SchedulerOutput, emitted: dict[str, list[int]], now: float) -> list[StepUpdate]:
         updates = []
         for s in out.scheduled:
             if s.request_id in emitted:
                 request = self.scheduler.requests[s.request_id]
                 self.spec.record(request, len(s.spec_token_ids), len(emitted[s.request_id]))
-                updates.append(self._append_tokens(request, emitted[s.request_id]))
+                updates.append(self._append_tokens(request, emitted[s.request_id], now))
         return updates
 
     def _record_prompt_logprobs(self, sampled: RunnerOutput) -> None:
@@ -219,11 +220,11 @@ class EngineCore:
         for rid, (first, scored) in sampled.prompt_logprobs.items():
             self.scheduler.requests[rid].prompt_logprobs[first - 1:first - 1 + len(scored)] = scored
 
-    def _append_tokens(self, request: Request, tokens: list[int], logprob: TokenLogprob | None = None) -> StepUpdate:
-        """Append new tokens one by one, stopping at the first that ends the request."""
+    def _append_tokens(self, request: Request, tokens: list[int], now: float,
+                       logprob: TokenLogprob | None = None) -> StepUpdate:
+        """Append new tokens one by one (produced at ``now``), stopping at the first that ends the request."""
         if logprob is not None:
             request.output_logprobs.append(logprob)
-        now = time.perf_counter()
         if request.metrics.first_token is None:
             request.metrics.first_token = now
         request.metrics.last_token = now

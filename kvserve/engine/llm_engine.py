@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore
-from kvserve.frontend.detokenizer import IncrementalDetokenizer
+from kvserve.frontend.detokenizer import IncrementalDetokenizer, token_bytes_table
 from kvserve.frontend.tokenizer import load_tokenizer
 from kvserve.types import CompletionOutput, FinishReason, Request, RequestOutput, SamplingParams
 from kvserve.worker.threads import balance_threads, configure_threads
@@ -41,8 +41,9 @@ class LLMEngine:
         self.threads = configure_threads()  # torch threads for this process: see worker/threads.py
         self.core = EngineCore(config)
         self.tokenizer = load_tokenizer(self.core.model_path)
+        token_bytes_table(self.tokenizer, True)  # built (and checked) at load, not in the first request
         self._tracked: dict[str, _Tracked] = {}
-        self._seq_owner: dict[str, str] = {}
+        self._sequences: dict[str, tuple[_Tracked, _Sequence]] = {}  # core sequence id -> its request, itself
 
     @property
     def max_model_len(self) -> int:
@@ -63,7 +64,7 @@ class LLMEngine:
         token_ids = self.encode(prompt) if text is not None else list(prompt)
         self.core.validate_prompt(token_ids)
         self.core.validate_params(params)
-        sequences = []
+        tracked = _Tracked(request_id, text, token_ids, [])
         for i in range(params.n):
             child = params if params.n == 1 else dataclasses.replace(
                 params, n=1, seed=None if params.seed is None else params.seed + i)
@@ -71,9 +72,10 @@ class LLMEngine:
             # Siblings after the first fork its prompt KV (copy-on-write) instead of recomputing it.
             fork_of = None if i == 0 else f"{request_id}#0"
             req = self.core.add_request(seq_id, token_ids, child, priority=priority, fork_of=fork_of)
-            sequences.append(_Sequence(req, IncrementalDetokenizer(self.tokenizer, token_ids, list(params.stop))))
-            self._seq_owner[seq_id] = request_id
-        self._tracked[request_id] = _Tracked(request_id, text, token_ids, sequences)
+            seq = _Sequence(req, IncrementalDetokenizer(self.tokenizer, token_ids, list(params.stop)))
+            tracked.sequences.append(seq)
+            self._sequences[seq_id] = (tracked, seq)
+        self._tracked[request_id] = tracked
 
     def abort_request(self, request_id: str) -> None:
         tracked = self._tracked.pop(request_id, None)
@@ -81,7 +83,7 @@ class LLMEngine:
             return
         for seq in tracked.sequences:
             self.core.abort_request(seq.request.request_id)
-            self._seq_owner.pop(seq.request.request_id, None)
+            self._sequences.pop(seq.request.request_id, None)
 
     def has_unfinished(self) -> bool:
         return bool(self._tracked)
@@ -99,15 +101,17 @@ class LLMEngine:
         updates = self.core.step()
         touched: dict[str, _Tracked] = {}
         for update in updates:
-            owner = self._seq_owner.get(update.request.request_id)
-            tracked = self._tracked.get(owner) if owner else None
-            if tracked is None:
+            entry = self._sequences.get(update.request.request_id)
+            if entry is None:
                 continue
-            seq = next(s for s in tracked.sequences if s.request is update.request)
+            tracked, seq = entry
             seq.detokenizer.add_tokens(update.new_token_ids)
-            if seq.detokenizer.stopped and not update.finished:
+            finished = update.finished
+            if seq.detokenizer.stopped and not finished:
                 self.core.finish(update.request.request_id, FinishReason.STOP)
-            touched[tracked.request_id] = tracked
+                finished = True
+            if finished or not finished_only:
+                touched[tracked.request_id] = tracked
         return [self._output(t) for t in touched.values() if not finished_only or t.finished]
 
     def _output(self, tracked: _Tracked) -> RequestOutput:
@@ -115,7 +119,7 @@ class LLMEngine:
         if finished:
             self._tracked.pop(tracked.request_id, None)
             for s in tracked.sequences:
-                self._seq_owner.pop(s.request.request_id, None)
+                self._sequences.pop(s.request.request_id, None)
         outputs = [
             CompletionOutput(
                 index=i,
