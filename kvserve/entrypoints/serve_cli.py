@@ -54,7 +54,7 @@ def serve(args: argparse.Namespace) -> int:
     resolve_model_path(config.model)  # a wrong path fails here, not after the port is open
     names = tuple(args.served_model_name or [default_served_name(kwargs["model"])])
     address = f"http://{args.host}:{args.port}"
-    options = ServerOptions(names, args.api_key, args.max_queue, address)
+    options = ServerOptions(names, args.api_key, args.max_queue, address, freeze_gc=True)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.info("kvserve %s: loading %s; listening on %s", names[0], kwargs["model"] or "the default model", address)
     server = uvicorn.Server(uvicorn.Config(build_app(config, options), host=args.host, port=args.port,

@@ -13,6 +13,7 @@ skips intermediate states instead of growing a queue.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import queue
 import threading
@@ -147,8 +148,15 @@ class RequestStream:
 
 
 class AsyncEngineClient:
-    def __init__(self, config: EngineConfig, max_queue: int = 1024, stats: StatsCollector | None = None) -> None:
+    def __init__(self, config: EngineConfig, max_queue: int = 1024, stats: StatsCollector | None = None,
+                 freeze_gc: bool = False) -> None:
+        """``freeze_gc``: the process serves this client alone (``kvserve serve``), so once the model is
+        loaded everything alive then is moved out of the cyclic garbage collector's reach until shutdown.
+        A full collection otherwise walks ~250K start-up objects (torch, transformers, the model): a
+        130-140 ms stall of every stream here, against ~0 ms frozen."""
         self.config = config
+        self.freeze_gc = freeze_gc
+        self._froze_gc = False
         self.max_queue = max_queue
         self.stats = stats
         self.info: ModelInfo | None = None
@@ -201,6 +209,9 @@ class AsyncEngineClient:
         self._commands.put(("stop",))
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._froze_gc:  # what the engine leaves behind can be collected again
+            self._froze_gc = False
+            gc.unfreeze()
 
     # ---- requests (event loop side) ----------------------------------------------------------
     @property
@@ -262,9 +273,7 @@ class AsyncEngineClient:
     # ---- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            engine = LLMEngine(self.config)
-            self._prefill_rate = engine.core.warm_up()
-            logger.info("warm-up: prefill at %.0f tokens/s", self._prefill_rate)
+            engine = self._load()
             self.info = _model_info(engine)
             self._publish(engine)
             while self._handle_commands(engine, block=not engine.has_unfinished()):
@@ -275,6 +284,18 @@ class AsyncEngineClient:
             logger.exception("engine loop died")
             self.error = e
             self._to_loop(self._deliver_error, None, EngineDeadError(f"the engine loop died: {e!r}"))
+
+    def _load(self) -> LLMEngine:
+        """Build and warm up the engine; with ``freeze_gc``, then freeze what is alive (one full
+        collection first, ~150 ms, so no garbage is frozen with it)."""
+        engine = LLMEngine(self.config)
+        self._prefill_rate = engine.core.warm_up()
+        logger.info("warm-up: prefill at %.0f tokens/s", self._prefill_rate)
+        if self.freeze_gc:
+            gc.collect()
+            gc.freeze()
+            self._froze_gc = True
+        return engine
 
     def _handle_commands(self, engine: LLMEngine, block: bool) -> bool:
         """Apply every queued command (waiting for one if ``block``); False once asked to stop."""

@@ -4,6 +4,7 @@ the queue bound holds, and a dead engine loop turns health red instead of hangin
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 from starlette.testclient import TestClient
@@ -57,6 +58,29 @@ def test_outputs_equal_offline_and_blocks_come_back(tiny_llama):
     got, busy, idle = _run(main())
     assert got == want
     assert busy > 0 and idle == 0
+
+
+@pytest.mark.parametrize("freeze", [False, True])
+def test_start_up_objects_are_frozen_only_when_asked(tiny_llama, freeze):
+    """``kvserve serve`` owns its process: its start-up objects leave the cyclic GC's reach while it
+    serves and come back at shutdown. A client in a shared process (these tests) leaves the GC alone."""
+    assert gc.get_freeze_count() == 0
+
+    async def main():
+        client = AsyncEngineClient(_config(tiny_llama), freeze_gc=freeze)
+        client.start()
+        await client.wait_ready()
+        out = await client.submit("r", [5, 6, 7], GREEDY).result()
+        frozen = gc.get_freeze_count()
+        client.shutdown()
+        return out, frozen
+
+    try:
+        out, frozen = _run(main())
+        assert len(out.token_ids) == GREEDY.max_tokens
+        assert (frozen > 10_000) == freeze and gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
 
 
 def test_warm_up_leaves_nothing_behind(tiny_llama):

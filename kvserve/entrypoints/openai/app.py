@@ -38,6 +38,7 @@ class ServerOptions:
     api_key: str | None = None
     max_queue: int = 1024
     address: str = ""  # for the ready log line only
+    freeze_gc: bool = False  # the process is this server's alone: see AsyncEngineClient
 
     def __post_init__(self) -> None:
         if not self.model_names or any(not n for n in self.model_names):
@@ -134,7 +135,7 @@ class CountIncoming:
 def build_app(config: EngineConfig, options: ServerOptions) -> FastAPI:
     """An app with its own engine client and metrics registry; the engine starts with the app."""
     metrics = PrometheusMetrics(options.model_names[0])
-    client = AsyncEngineClient(config, options.max_queue, StatsCollector(metrics))
+    client = AsyncEngineClient(config, options.max_queue, StatsCollector(metrics), options.freeze_gc)
     state = ServerState(client, list(options.model_names), metrics, options.api_key)
 
     @asynccontextmanager
