@@ -120,6 +120,8 @@ class KVCacheManager:
         """Grow the request's table to hold ``num_tokens`` tokens, starting from the shared
         ``prefix`` blocks if given (only for a request without blocks). All or nothing."""
         table = self._tables.get(request_id, [])
+        if not prefix and num_tokens <= len(table) * self.block_size:
+            return True  # most decode steps: the last block still has room
         prefix = prefix or []
         if prefix and table:
             raise RuntimeError(f"request {request_id} already has blocks; a prefix can only start a table")

@@ -19,7 +19,7 @@ class ScheduledRequest:
     request_id: str
     token_ids: list[int]
     start_pos: int
-    block_table: list[int]
+    block_table: list[int]  # the KV-cache manager's own list (not a copy): valid for this step
     sample: bool
     sampling_params: SamplingParams
     num_generated: int = 0  # tokens generated so far, e.g. for per-request RNG streams

@@ -72,7 +72,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            spec = self._fit_proposals(request, budget - num_new)
+            spec = self._fit_proposals(request, budget - num_new) if request.spec_token_ids else []
             if not self._make_room(request, num_new + len(spec), out):
                 break  # the request preempted itself: it was the last in line
             out.scheduled.append(self._scheduled(request, num_new, spec))
@@ -209,7 +209,7 @@ class Scheduler:
             request_id=request.request_id,
             token_ids=tokens,
             start_pos=start,
-            block_table=list(self.kv_cache.block_table(request.request_id)),
+            block_table=self.kv_cache.block_table(request.request_id),  # the live list: read it this step only
             sample=start + num_new == request.num_tokens,
             sampling_params=request.sampling_params,
             num_generated=len(request.output_token_ids),

@@ -17,6 +17,7 @@ from kvserve.sample.sampler import Sampler, SamplingBatch, scored_logprobs
 from kvserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from kvserve.spec_decode.verify import verify
 from kvserve.types import TokenLogprob
+from kvserve.worker.block_tables import BlockTableRows
 from kvserve.worker.cuda_graphs import capture_decode_graphs
 
 
@@ -44,6 +45,7 @@ class ModelRunner:
             for _ in range(config.num_layers)
         ]
         self.sampler = Sampler(seed)
+        self.block_table_rows = BlockTableRows()
         # Pure decode steps in one C++ call where the model and backend allow (bitwise the same result).
         self.fused_decoder = build_fused_decoder(model, self.kv_caches, backend.fused_cache_kind(device))
         self.decode_graphs = None
@@ -155,8 +157,7 @@ class ModelRunner:
         starts = torch.tensor([s.start_pos for s in batch], dtype=torch.long)
         offsets = torch.arange(query_start[-1]) - torch.tensor(query_start[:-1])[seq_of_token]
         positions = starts[seq_of_token] + offsets
-        width = max(len(s.block_table) for s in batch)
-        block_tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in batch], dtype=torch.long)
+        block_tables = self._block_tables(batch)
         slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
         decode_seqs = [i for i, n in enumerate(lens) if n == 1]
         decode_width = -(-max((seq_lens[i] for i in decode_seqs), default=0) // bs)
@@ -188,22 +189,25 @@ class ModelRunner:
         bs, n = self.block_size, len(batch)
         positions = [s.start_pos for s in batch]
         seq_lens = [p + 1 for p in positions]
-        width = max(len(s.block_table) for s in batch)
         decode_width = -(-max(seq_lens) // bs)
-        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in batch]
+        tables = self._block_tables(batch)
         host = [torch.tensor([s.token_ids[0] for s in batch], dtype=torch.long),
                 torch.tensor(positions, dtype=torch.long),
                 torch.tensor([s.block_table[p // bs] * bs + p % bs for s, p in zip(batch, positions)], dtype=torch.long),
-                torch.tensor(rows, dtype=torch.long), torch.tensor(seq_lens, dtype=torch.long),
-                torch.arange(n, dtype=torch.long)]
-        host.append(host[3] if decode_width == width else torch.tensor([r[:decode_width] for r in rows],
-                                                                            dtype=torch.long))
+                tables, torch.tensor(seq_lens, dtype=torch.long), torch.arange(n, dtype=torch.long),
+                tables if decode_width == tables.shape[1] else tables[:, :decode_width].contiguous()]
         input_ids, positions_t, slots, block_tables, seq_lens_t, token_index, decode_tables = _to_device(host, self.device)
         meta = AttentionMetadata(num_seqs=n, query_start=list(range(n + 1)), seq_lens=seq_lens, slot_mapping=slots,
                                  block_tables=block_tables, seq_lens_t=seq_lens_t, decode_seqs=list(range(n)),
                                  prefill_seqs=[], decode_token_index=token_index, decode_block_tables=decode_tables,
                                  decode_seq_lens=seq_lens_t, block_size=bs)
         return input_ids, positions_t, meta
+
+    def _block_tables(self, batch: list[ScheduledRequest]) -> torch.Tensor:
+        """[len(batch), longest table] int64, each row padded with 0 (see worker/block_tables.py)."""
+        width = max(len(s.block_table) for s in batch)
+        return torch.from_numpy(self.block_table_rows.gather([s.request_id for s in batch],
+                                                             [s.block_table for s in batch], width))
 
 
 def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

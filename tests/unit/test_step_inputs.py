@@ -28,10 +28,11 @@ def test_token_budget_default_depends_on_the_device():
 
 
 def _runner(block_size: int):
+    from kvserve.worker.block_tables import BlockTableRows
     from kvserve.worker.model_runner import ModelRunner
 
     runner = ModelRunner.__new__(ModelRunner)  # only the input builders are exercised
-    runner.device, runner.block_size = torch.device("cpu"), block_size
+    runner.device, runner.block_size, runner.block_table_rows = torch.device("cpu"), block_size, BlockTableRows()
     return runner
 
 
