@@ -124,8 +124,10 @@ class ModelRunner:
         result = {}
         for i, s in enumerate(batch):
             k = s.sampling_params.prompt_logprobs
+            if k is None:
+                continue
             end = min(s.start_pos + len(s.token_ids), len(s.prompt_token_ids) - 1)
-            if k is None or end <= s.start_pos:
+            if end <= s.start_pos:
                 continue
             first = meta.query_start[i]
             logits = self.model.compute_logits(hidden[first:first + end - s.start_pos])
