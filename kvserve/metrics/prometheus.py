@@ -58,6 +58,9 @@ class PrometheusMetrics:
                 ("spec_accepted_tokens", "spec_decode_num_accepted_tokens", "Speculative tokens accepted"),
                 ("spec_verify_steps", "spec_decode_num_verify_steps", "Request-steps that verified proposals"),
                 ("spec_emitted_tokens", "spec_decode_num_emitted_tokens", "Tokens emitted by verifying steps"),
+                ("num_steps", "engine_steps", "Engine steps run"),
+                ("num_batched_tokens", "computed_tokens",
+                 "Tokens computed by engine steps: prompt chunks (again after a preemption), decodes, proposals"),
             )}
         self.prefix_hit_rate = Gauge(ns + "prefix_cache_hit_rate", "Prefix-cache hits / queries since start (tokens)",
                                      **label).labels(model_name)

@@ -33,6 +33,10 @@ class EngineSnapshot:
     spec_accepted_tokens: int = 0
     spec_verify_steps: int = 0  # request-steps that verified proposals
     spec_emitted_tokens: int = 0  # tokens those request-steps produced
+    # cumulative work: engine steps run, and tokens they computed (prompt chunks, recomputed ones after a
+    # preemption, decodes, speculative proposals); the warm-up at start-up is not counted
+    num_steps: int = 0
+    num_batched_tokens: int = 0
 
     @staticmethod
     def of(core) -> EngineSnapshot:
@@ -46,7 +50,8 @@ class EngineSnapshot:
             prefix_cache_queries=kv.prefix_stats.queries, prefix_cache_hits=kv.prefix_stats.hits,
             prefix_cache_evictions=kv.pool.stats.evictions,
             spec_proposed_tokens=spec.proposed if spec else 0, spec_accepted_tokens=spec.accepted if spec else 0,
-            spec_verify_steps=spec.verified_requests if spec else 0, spec_emitted_tokens=spec.emitted if spec else 0)
+            spec_verify_steps=spec.verified_requests if spec else 0, spec_emitted_tokens=spec.emitted if spec else 0,
+            num_steps=core.num_steps, num_batched_tokens=core.num_batched_tokens)
 
 
 class MetricsSink(Protocol):

@@ -273,6 +273,9 @@ def test_metrics_exposition(server, client):
                  "num_preemptions_total", 'request_success_total{finished_reason="length"'):
         assert f"kvserve:{name}" in text, name
     assert server.metric("kvserve:generation_tokens_total") >= 24
+    # a request's first token costs at least one computed prompt token, each later one a decode token
+    computed, steps = server.metric("kvserve:computed_tokens_total"), server.metric("kvserve:engine_steps_total")
+    assert 0 < steps <= computed and computed >= server.metric("kvserve:generation_tokens_total")
 
 
 # ---- a second server: API key, overload, graceful shutdown -------------------------------------
