@@ -217,6 +217,28 @@ def run_profile(device: str, workdir: Path, dry_run: bool) -> dict:
     return result
 
 
+def _host_facts() -> dict:
+    """The host side of the machine, which bounds the engine's Python per step: the CPU, the cores
+    this process may use, and a cgroup CPU quota if there is one (session 13's host phases ran 1.5-6x
+    slower than on the 2-core CPU machine)."""
+    import os
+    import platform
+
+    facts = {"cpu": platform.processor() or platform.machine(), "usable_cores": len(os.sched_getaffinity(0))}
+    for path in ("/sys/fs/cgroup/cpu.max", "/sys/fs/cgroup/cpu/cpu.cfs_quota_us"):
+        try:
+            facts["cgroup_cpu"] = Path(path).read_text().strip()
+            break
+        except OSError:
+            pass
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        facts["model_name"] = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return facts
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -233,7 +255,7 @@ def main() -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu (dry run)",
-                     "torch": torch.__version__, "python": sys.version.split()[0]}
+                     "torch": torch.__version__, "python": sys.version.split()[0], "host": _host_facts()}
     try:
         import triton
 
