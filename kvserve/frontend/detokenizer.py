@@ -7,8 +7,8 @@ ends in a partial character (U+FFFD). The two decodes go straight to the Rust to
 gives the same text (transformers' wrapper costs more than the decoding).
 
 A byte-level BPE tokenizer (GPT-2, Llama 3, Qwen, SmolLM) needs no window: a token is a fixed byte
-string, so the text is an incremental UTF-8 decode of the concatenated bytes. That path costs ~1 us
-a token instead of ~4.5, which is most of the host's work per request in a large decode batch.
+string, so the text is an incremental UTF-8 decode of the concatenated bytes: 0.18 ms per step for
+256 requests instead of 0.57, the largest share of the host's work per request in a big decode batch.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def ids_decoder(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -
 def token_bytes_table(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> tuple[bytes, ...] | None:
     """Each token id's bytes, for a fast tokenizer whose decoding is byte-level BPE alone; None for any
     other. The table is checked against the tokenizer's own decode of every token, once per tokenizer
-    (~0.1 s for 128K tokens), so a tokenizer with any other decoding rule keeps the general path."""
+    (0.12 s for 49K tokens), so a tokenizer with any other decoding rule keeps the general path."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or type(backend.decoder).__name__ != "ByteLevel":
         return None

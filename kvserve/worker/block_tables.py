@@ -1,10 +1,11 @@
 """A step's block tables as one int64 array, kept from step to step.
 
 Building the [batch, width] table from every request's Python list each step cost time in the total
-number of blocks: ``torch.tensor`` of the padded lists took 1.8 ms per step at 256 requests of 2K
-tokens, 3.5 ms at 4K, all of it host time a GPU waits for. Here a request keeps its row while it is
-scheduled step after step; a step writes only the blocks its requests gained since their last step
-(a decode gains one every ``block_size`` tokens) and gathers the batch's rows with one numpy index.
+number of blocks: at 256 decoding requests a step's inputs took 0.76 ms to build at 2K-token
+contexts and 0.94 ms at 4K (0.29 and 0.28 ms this way), host time a GPU waits for. Here a request
+keeps its row while it is scheduled step after step; a step writes only the blocks its requests
+gained since their last step (a decode gains one every ``block_size`` tokens) and gathers the
+batch's rows with one numpy index.
 
 A row mirrors one table *object*. The KV-cache manager only appends to a request's table, and a
 request that starts over (preempted, then readmitted) gets a new list, so "the same list, longer"
