@@ -171,7 +171,8 @@ class EngineCore:
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         try:
             for i in range(rounds):
-                self.add_request(f"warm-up-{i}", [(31 * j + i) % self.model_config.vocab_size for j in range(n)], params)
+                prompt = [(31 * j + i) % self.model_config.vocab_size for j in range(n)]
+                self.add_request(f"warm-up-{i}", prompt, params)
                 start = time.perf_counter()
                 while self.has_unfinished():
                     self.step()

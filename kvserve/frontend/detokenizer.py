@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
+from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte -> character map
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token, for correct spacing
 
@@ -99,7 +100,7 @@ def token_bytes_table(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: b
         return None
     if getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return None
-    byte_of = {c: b for b, c in _byte_level_alphabet().items()}
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
     special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special} if skip_special_tokens else set()
     decode = ids_decoder(tokenizer, skip_special_tokens)
     table = []
@@ -116,11 +117,3 @@ def token_bytes_table(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: b
         table.append(data)
     return tuple(table)
 
-
-@functools.cache
-def _byte_level_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> printable character map, which byte-level BPE vocabularies are written in:
-    printable Latin-1 bytes stand for themselves, the other 68 take the characters from U+0100 on."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}

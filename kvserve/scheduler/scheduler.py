@@ -72,7 +72,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            spec = self._fit_proposals(request, budget - num_new) if request.spec_token_ids else []
+            spec = self._fit_proposals(request, budget - num_new)
             if not self._make_room(request, num_new + len(spec), out):
                 break  # the request preempted itself: it was the last in line
             out.scheduled.append(self._scheduled(request, num_new, spec))
@@ -108,6 +108,8 @@ class Scheduler:
         self.waiting.add(request)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.waiting:
+            return  # most decode steps: nothing below (in-flight blocks, first tokens) is needed
         # Held back this step: fork followers whose sibling has not computed the shared prompt yet,
         # and requests whose next uncached block another request is computing (next step it is a hit).
         deferred = []
