@@ -77,6 +77,29 @@ def test_kernel_matches_reference_cache_kinds(kv_cache_dtype, dtype, tol, heads,
     _assert_same_decode(fast, ref, cache, meta, len(lens), heads, kv_heads, dim, dtype, tol)
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (8, 1), (4, 4)])  # GQA groups 3, 8 (two score blocks), 1
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("lens", [[3001], [700, 5], [130, 64, 17], [63, 1]])
+def test_bf16_kernel_splits_few_sequences(heads, kv_heads, dim, lens):
+    """A bf16 cache's kernel cuts the tokens of fewer sequences than two per thread into ranges on
+    several threads and merges their softmax states: long and short sequences, odd chunk ends."""
+    if load_cpu_kernels() is None:
+        pytest.skip("C++ kernels could not be built on this machine")
+    torch.manual_seed(0)
+    bs = 16
+    num_blocks = sum(-(-n // bs) for n in lens) + 4
+    meta = _decode_meta(lens, bs, num_blocks)
+    cache = (torch.randn(2, num_blocks, bs, kv_heads, dim) * 2).to(torch.bfloat16)
+    fast, ref = TorchAttentionBackend(), TorchAttentionBackend(use_kernels=False)
+    for threads in (1, 2, 4):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            _assert_same_decode(fast, ref, cache, meta, len(lens), heads, kv_heads, dim, torch.bfloat16, 2e-2)
+        finally:
+            torch.set_num_threads(before)
+
+
 def test_kernel_fp8_decodes_every_value():
     """One cached token: the output is its value row, so every e4m3 bit pattern (subnormals too) must
     dequantize exactly as torch's float8_e4m3fn does."""

@@ -5,7 +5,8 @@
 // dtype, or for a quantized cache (kind 1 = int8, 2 = fp8 e4m3) uint8 rows of head_dim + 2 bytes: the
 // values, then a float16 scale for that token and head (see kv_quant.py); rows are dequantized on read.
 // Work is split over (sequence, kv head) pairs; the query heads of one GQA group share every
-// key/value row they read, so each row is loaded once per group.
+// key/value row they read, so each row is loaded once per group. A bf16 cache with head_dim 64 or
+// 128 has its own kernel (decode_bf16), which also splits a few long sequences over the threads.
 //
 // With AVX-512 and head_dim % 16 == 0 (every cache kind) the kernel makes one pass over the keys and
 // values, 16 tokens at a time, with an online softmax (running max and sum per query head); otherwise
@@ -405,6 +406,245 @@ void decode_vec(const T* q, const Elem* k_base, const Elem* v_base, int64_t num_
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// bf16 cache and query, head_dim kD = 64 or 128 (the common case): both products on vdpbf16ps.
+// q.k as in decode_vec; p.V pairs two tokens per instruction: their value rows are interleaved
+// (vpunpck{l,h}wd) so each lane holds one dimension of both, and the pair of weights, rounded to
+// bf16 as a GPU flash kernel rounds them, is broadcast. Per token and query head that is 2 + 2
+// instructions where decode_vec's float path spent 2 + 4 plus a conversion of every value.
+// The interleave puts dimension 32 r + 8 (i / 4) + i % 4 (+ 4 for the high half) in lane i of
+// accumulator 2 r (2 r + 1); the result is put back in order once, at the end.
+//
+// A task is tokens [t0, t1) of one sequence for kv heads h0 .. h0 + nh - 1; it leaves its unnormalized
+// state (base-2 running max m, sum of weights l, weighted sum of values acc, per query head) for
+// merge_partials, so that a long sequence can be split over threads (flash-decoding).
+constexpr int64_t kBf16Ahead = 2;
+
+struct Bf16Scratch {
+  simd::aligned_vector<float> acc;   // [heads, kD] weighted value sums, in the interleaved lane order
+  simd::aligned_vector<float> l;     // [heads, 16] per-lane sums of the (rounded) weights
+  simd::aligned_vector<uint16_t> pb; // [heads, 16] this chunk's weights in bf16
+  std::vector<float> m, alpha;       // [heads] running max, this chunk's rescale factor
+  std::vector<int64_t> rows;         // [t1 - t0] element offsets of head h0's rows
+  Bf16Scratch(int64_t heads, int64_t head_dim)
+      : acc(heads * head_dim), l(heads * kChunk), pb(heads * kChunk), m(heads), alpha(heads) {}
+};
+
+// Where a task leaves its state: m[heads], l[heads], acc[heads * kD] (dimensions in order).
+struct Partial {
+  float* m;
+  float* l;
+  float* acc;
+};
+
+template <int kD>
+void decode_bf16(const uint16_t* q, const uint16_t* k_base, const uint16_t* v_base, int64_t num_kv_heads,
+                 const int64_t* table, int64_t block_size, int64_t t0, int64_t t1, int64_t h0, int64_t nh,
+                 int64_t group, float qscale, Partial out, Bf16Scratch& s) {
+  constexpr int kR = kD / 32;             // zmm registers per bf16 row
+  constexpr int kV = kD / 16;             // float32 accumulators per query head
+  constexpr int kQB = 4;                  // query heads scored together (their q in registers)
+  constexpr int kGB = kV <= 4 ? 4 : 2;    // query heads summing values together: kGB * kV accumulators
+  const int64_t heads = nh * group;
+  std::fill(s.acc.begin(), s.acc.begin() + heads * kD, 0.f);
+  std::fill(s.l.begin(), s.l.begin() + heads * kChunk, 0.f);
+  std::fill(s.m.begin(), s.m.begin() + heads, -std::numeric_limits<float>::infinity());
+  const int64_t len = t1 - t0;
+  if (static_cast<int64_t>(s.rows.size()) < len) s.rows.resize(len);
+  for (int64_t t = t0, blk = t0 / block_size, off = t0 % block_size; t < t1; ++t) {
+    s.rows[t - t0] = ((table[blk] * block_size + off) * num_kv_heads + h0) * kD;
+    if (++off == block_size) { off = 0; ++blk; }
+  }
+  const int64_t span_lines = (nh * kD * 2 + 63) / 64;  // cache lines of a token's rows of these heads
+  // Rows are asked for kBf16Ahead chunks before they are used (into L2: on a Zen 4 into L1 was
+  // slower, one chunk ahead too late), the first chunks' at once.
+  for (int64_t t = 0; t < std::min<int64_t>(len, kBf16Ahead * kChunk); ++t)
+    for (int64_t i = 0; i < span_lines; ++i) {
+      _mm_prefetch(reinterpret_cast<const char*>(k_base + s.rows[t]) + 64 * i, _MM_HINT_T2);
+      _mm_prefetch(reinterpret_cast<const char*>(v_base + s.rows[t]) + 64 * i, _MM_HINT_T2);
+    }
+
+  for (int64_t start = 0; start < len; start += kChunk) {
+    const int n = static_cast<int>(std::min<int64_t>(kChunk, len - start));
+    const int64_t* rows = &s.rows[start];
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    // Chunk + kBf16Ahead's rows (scattered blocks) are asked for while this one is computed, a few
+    // lines per key row read (all at once, they filled the miss queue and stalled the loads).
+    const int64_t pf_end = std::min(len, start + (kBf16Ahead + 1) * kChunk);
+    int64_t pf_t = start + kBf16Ahead * kChunk, pf_line = 0;  // the next line: token pf_t's K (then V) span, line pf_line
+    const int64_t pf_per_row = (2 * span_lines * kChunk + nh * kChunk - 1) / (nh * kChunk);
+    auto pump = [&] {
+      for (int64_t i = 0; i < pf_per_row && pf_t < pf_end; ++i) {
+        const uint16_t* base = pf_line < span_lines ? k_base : v_base;
+        _mm_prefetch(reinterpret_cast<const char*>(base + s.rows[pf_t]) + 64 * (pf_line % span_lines), _MM_HINT_T2);
+        if (++pf_line == 2 * span_lines) { pf_line = 0; ++pf_t; }
+      }
+    };
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      const int64_t hoff = hh * kD, g_end = (hh + 1) * group;
+      // Scores and weights, kQB query heads at a time: each key row is loaded once for them.
+      for (int64_t g0 = hh * group; g0 < g_end; g0 += kQB) {
+        const int gb = static_cast<int>(std::min<int64_t>(kQB, g_end - g0));
+        __m512bh qv[kQB][kR];
+        for (int j = 0; j < kQB; ++j)
+          for (int r = 0; r < kR; ++r)
+            qv[j][r] = (__m512bh)(j < gb ? _mm512_loadu_si512(q + (g0 + j) * kD + 32 * r) : _mm512_setzero_si512());
+        __m512 part[kQB][kChunk];
+        for (int t = 0; t < kChunk; ++t) {
+          pump();
+          __m512bh kr[kR];
+          for (int r = 0; r < kR; ++r)
+            kr[r] = (__m512bh)(t < n ? _mm512_loadu_si512(k_base + rows[t] + hoff + 32 * r) : _mm512_setzero_si512());
+          for (int j = 0; j < kQB; ++j) {
+            if (j >= gb) break;
+            __m512 acc = _mm512_setzero_ps();
+            for (int r = 0; r < kR; ++r) acc = _mm512_dpbf16_ps(acc, kr[r], qv[j][r]);
+            part[j][t] = acc;
+          }
+        }
+        for (int j = 0; j < gb; ++j) {
+          const int64_t g = g0 + j;
+          __m512 sc = _mm512_mul_ps(sum16(part[j]), _mm512_set1_ps(qscale));
+          sc = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, sc);
+          float alpha = 1.f;
+          float& m = s.m[g];
+          if (_mm512_cmp_ps_mask(sc, _mm512_set1_ps(m), _CMP_GT_OQ)) {
+            const float m_new = std::max(m, _mm512_reduce_max_ps(sc));
+            alpha = std::exp2(m - m_new);  // 0 on the first chunk (m = -inf)
+            m = m_new;
+          }
+          const __m256i p = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(valid, exp2_ps(_mm512_sub_ps(sc, _mm512_set1_ps(m)))));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(&s.pb[g * kChunk]), p);
+          // The sum of the weights as rounded, so that they are normalized by what was summed.
+          const __m512 pf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(p), 16));
+          _mm512_store_ps(&s.l[g * kChunk], _mm512_fmadd_ps(_mm512_load_ps(&s.l[g * kChunk]), _mm512_set1_ps(alpha), pf));
+          s.alpha[g] = alpha;
+        }
+      }
+      // Weighted values, kGB query heads at a time, two tokens per instruction.
+      for (int64_t g0 = hh * group; g0 < g_end; g0 += kGB) {
+        const int gb = static_cast<int>(std::min<int64_t>(kGB, g_end - g0));
+        __m512 a[kGB][kV];
+        for (int j = 0; j < kGB; ++j)
+          for (int c = 0; c < kV; ++c)
+            a[j][c] = j < gb ? _mm512_mul_ps(_mm512_load_ps(&s.acc[(g0 + j) * kD + 16 * c]), _mm512_set1_ps(s.alpha[g0 + j]))
+                             : _mm512_setzero_ps();
+        for (int t = 0; t < n; t += 2) {
+          // An odd chunk's last token pairs with itself; its partner's weight is 0.
+          const uint16_t* va = v_base + rows[t] + hoff;
+          const uint16_t* vb = v_base + rows[t + 1 < n ? t + 1 : t] + hoff;
+          __m512bh v[kV];
+          for (int r = 0; r < kR; ++r) {
+            const __m512i x = _mm512_loadu_si512(va + 32 * r), y = _mm512_loadu_si512(vb + 32 * r);
+            v[2 * r] = (__m512bh)_mm512_unpacklo_epi16(x, y);
+            v[2 * r + 1] = (__m512bh)_mm512_unpackhi_epi16(x, y);
+          }
+          for (int j = 0; j < kGB; ++j) {
+            if (j >= gb) break;
+            int32_t pair;
+            std::memcpy(&pair, &s.pb[(g0 + j) * kChunk + t], sizeof(pair));
+            const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
+            for (int c = 0; c < kV; ++c) a[j][c] = _mm512_dpbf16_ps(a[j][c], v[c], w);
+          }
+        }
+        for (int j = 0; j < gb; ++j)
+          for (int c = 0; c < kV; ++c) _mm512_store_ps(&s.acc[(g0 + j) * kD + 16 * c], a[j][c]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < heads; ++g) {
+    out.m[g] = s.m[g];
+    out.l[g] = _mm512_reduce_add_ps(_mm512_load_ps(&s.l[g * kChunk]));
+    for (int c = 0; c < kV; ++c)
+      for (int i = 0; i < 16; ++i)
+        out.acc[g * kD + 32 * (c / 2) + 8 * (i / 4) + 4 * (c % 2) + i % 4] = s.acc[g * kD + 16 * c + i];
+  }
+}
+
+constexpr int64_t kMaxParts = 16;  // token ranges a sequence is cut into at most
+
+// One sequence's output rows from the states of its `parts` tasks over consecutive token ranges:
+// out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p, M the largest m_p.
+void merge_partials(const float* m, const float* l, const float* acc, int64_t parts, int64_t heads, int64_t head_dim,
+                    c10::BFloat16* out) {
+  for (int64_t g = 0; g < heads; ++g) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, m[p * heads + g]);
+    float total = 0.f, w[kMaxParts];
+    for (int64_t p = 0; p < parts; ++p) {
+      w[p] = l[p * heads + g] > 0.f ? std::exp2(m[p * heads + g] - mx) : 0.f;
+      total += w[p] * l[p * heads + g];
+    }
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    for (int64_t d = 0; d < head_dim; ++d) {
+      float sum = 0.f;
+      for (int64_t p = 0; p < parts; ++p) sum += w[p] * acc[(p * heads + g) * head_dim + d];
+      out[g * head_dim + d] = static_cast<c10::BFloat16>(sum * inv);
+    }
+  }
+}
+
+// The bf16 path of paged_decode_attention. With at least two sequences per thread a task is one
+// sequence (all its kv heads: their rows are adjacent, so the reads stream); with fewer, each
+// sequence's tokens are also cut into ranges of at least kMinSplit tokens so that every thread has
+// work (one sequence of 256 tokens on one thread took ~40 us per layer in a decode step).
+void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+              const at::Tensor& lens, double scale, at::Tensor& out) {
+  constexpr int64_t kMinSplit = 64;
+  const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(2), block_size = k_cache.size(1), group = num_heads / num_kv_heads;
+  const int64_t width = tables.size(1), threads = at::get_num_threads();
+  const int64_t* bt = tables.data_ptr<int64_t>();
+  const int64_t* sl = lens.data_ptr<int64_t>();
+  const int64_t want = batch >= 2 * threads ? 1 : std::min(kMaxParts, (2 * threads + batch - 1) / batch);  // parts per sequence
+  std::vector<int64_t> first_task(batch + 1, 0), task_seq, task_t0, task_t1;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t parts = std::max<int64_t>(1, std::min(want, sl[b] / kMinSplit));
+    // Ranges are whole chunks of 16 tokens (the last one ends at the sequence's end).
+    const int64_t chunks = (sl[b] + kChunk - 1) / kChunk;
+    for (int64_t p = 0; p < parts; ++p) {
+      task_seq.push_back(b);
+      task_t0.push_back(std::min(sl[b], chunks * p / parts * kChunk));
+      task_t1.push_back(std::min(sl[b], chunks * (p + 1) / parts * kChunk));
+    }
+    first_task[b + 1] = static_cast<int64_t>(task_seq.size());
+  }
+  const int64_t tasks = static_cast<int64_t>(task_seq.size());
+  const bool split = tasks > batch;
+  // Split sequences leave their tasks' states here for merge_partials; the others finish in their task.
+  std::vector<float> m, l, acc;
+  if (split) {
+    m.resize(tasks * num_heads);
+    l.resize(tasks * num_heads);
+    acc.resize(tasks * num_heads * head_dim);
+  }
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
+  const auto* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<c10::BFloat16>());
+  const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<c10::BFloat16>());
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const float qscale = static_cast<float>(scale) * 1.4426950408889634f;
+  auto* f = head_dim == 64 ? decode_bf16<64> : decode_bf16<128>;
+  parallel_for_dynamic(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    Bf16Scratch s(num_heads, head_dim);
+    std::vector<float> own_m(num_heads), own_l(num_heads), own_acc(num_heads * head_dim);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = task_seq[i];
+      const Partial state = split ? Partial{&m[i * num_heads], &l[i * num_heads], &acc[i * num_heads * head_dim]}
+                                  : Partial{own_m.data(), own_l.data(), own_acc.data()};
+      f(qp + b * num_heads * head_dim, kp, vp, num_kv_heads, bt + b * width, block_size, task_t0[i], task_t1[i], 0,
+        num_kv_heads, group, qscale, state, s);
+      if (!split) merge_partials(state.m, state.l, state.acc, 1, num_heads, head_dim, op + b * num_heads * head_dim);
+    }
+  });
+  if (split)
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t i = first_task[b];
+      merge_partials(&m[i * num_heads], &l[i * num_heads], &acc[i * num_heads * head_dim], first_task[b + 1] - i,
+                     num_heads, head_dim, op + b * num_heads * head_dim);
+    }
+}
+#endif  // __AVX512BF16__
+
 template <typename T, typename Rows>
 void run(const at::Tensor& q, const Rows& k_rows, const Rows& v_rows, int64_t block_size, int64_t num_kv_heads,
          const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
@@ -459,6 +699,14 @@ template <typename T>
 void run_kind(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
               const at::Tensor& lens, double scale, int64_t kind, at::Tensor& out) {
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2), head_dim = q.size(2);
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (kind == 0 && k_cache.scalar_type() == at::kBFloat16 && (head_dim == 64 || head_dim == 128)) {
+      run_bf16(q, k_cache, v_cache, tables, lens, scale, out);
+      return;
+    }
+  }
+#endif
   if (kind == 0) {
     TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), "cache and query dtypes differ");
     run<T>(q, DenseRows<T>{k_cache.data_ptr<T>(), num_kv_heads, head_dim},
