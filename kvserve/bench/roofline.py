@@ -6,7 +6,11 @@ runs the engine with dense weights in the dtype (``quantization="none"``: a GGUF
 dequantized) over seeded token-id prompts, greedy, EOS ignored:
 
 * single-stream decode: one request; decode tokens/s (after the first token) against the
-  memory bound ``bandwidth / bytes per decode step`` (all weights + that request's KV);
+  memory bound ``bandwidth / bytes per decode step`` (all weights + that request's KV), in
+  ``--single-rounds`` rounds, each with the copy bandwidth measured just before and after it: on a
+  shared machine the bandwidth moves by a third from minute to minute, and a bound measured once,
+  in another minute, gave fractions of 51-81% for the same code. The round of median fraction is
+  reported;
 * batched: ``--batch-sizes`` requests at once; output tokens/s, and the FLOP/s achieved (prefill
   and decode FLOPs of the whole run over its wall time) against the matmul peak: the best rate of
   a few matmul shapes (``planner.hardware``), since one square size can understate it by half.
@@ -19,7 +23,8 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
 
 from kvserve.planner.capacity import Setup, kv_bytes_per_user
 from kvserve.planner.roofline import decode_step, prefill, prefill_batch, weight_bytes_read
@@ -64,6 +69,10 @@ class SingleStream:
     decode_tokens_per_s: float
     bytes_per_step: float
     bound_tokens_per_s: float
+    bandwidth: float = 0.0  # the copy bandwidth the bound was computed from
+
+    def at_bandwidth(self, bandwidth: float) -> SingleStream:
+        return replace(self, bandwidth=bandwidth, bound_tokens_per_s=bandwidth / self.bytes_per_step)
 
     @property
     def fraction(self) -> float:
@@ -97,15 +106,30 @@ class Batched:
 def measure_machine(dtype: str, copy_mib: int, seconds: float, device: str = "cpu"):
     """``measure_local`` on ``device``; on the CPU with torch using every available core (the
     machine's ceiling, not the engine's)."""
+    from kvserve.planner.hardware import measure_local
+
+    with _all_cores():
+        return measure_local(dtype, copy_bytes=copy_mib * 2**20, seconds=seconds, device=device)
+
+
+def measure_bandwidth(copy_mib: int, seconds: float, device: str = "cpu") -> float:
+    """The copy bandwidth alone, as ``measure_machine`` measures it."""
+    from kvserve.planner.hardware import measure_copy_bandwidth
+
+    with _all_cores():
+        return measure_copy_bandwidth(copy_mib * 2**20, seconds, device)
+
+
+@contextmanager
+def _all_cores():
     import torch
 
-    from kvserve.planner.hardware import measure_local
     from kvserve.worker.threads import available_cpus
 
     before = torch.get_num_threads()
     torch.set_num_threads(available_cpus())
     try:
-        return measure_local(dtype, copy_bytes=copy_mib * 2**20, seconds=seconds, device=device)
+        yield
     finally:
         torch.set_num_threads(before)
 
@@ -130,12 +154,29 @@ def _requests(llm, num: int, prompt_len: int, output_len: int, seed: int):
 
 
 def run_single_stream(llm, setup: Setup, prompt_len: int, output_len: int, seed: int) -> SingleStream:
+    """One request's decode rate, against the bound at the setup's machine bandwidth."""
     prompts, params = _requests(llm, 1, prompt_len, output_len, seed)
     out = llm.generate(prompts, params, use_tqdm=False)[0]
     rate = (len(out.token_ids) - 1) / (out.e2e_latency - out.ttft)
-    mid_context = prompt_len + output_len // 2
-    return SingleStream(prompt_len, output_len, rate, bytes_per_decode_step(setup, 1, mid_context),
-                        memory_bound_tokens_per_s(setup, mid_context))
+    step_bytes = bytes_per_decode_step(setup, 1, prompt_len + output_len // 2)
+    return SingleStream(prompt_len, output_len, rate, step_bytes, 0.0).at_bandwidth(setup.hardware.bandwidth)
+
+
+def run_single_rounds(llm, setup: Setup, args, device: str) -> list[SingleStream]:
+    """``args.single_rounds`` single streams, each against the mean of the copy bandwidth measured
+    just before and just after it."""
+    rounds = []
+    for _ in range(args.single_rounds):
+        before = measure_bandwidth(args.copy_mib, args.measure_seconds / 2, device)
+        single = run_single_stream(llm, setup, args.prompt_len, args.single_output_len, args.seed)
+        after = measure_bandwidth(args.copy_mib, args.measure_seconds / 2, device)
+        rounds.append(single.at_bandwidth((before + after) / 2))
+    return rounds
+
+
+def median_round(rounds: list[SingleStream]) -> SingleStream:
+    """The round of median fraction (the lower middle one of an even number)."""
+    return sorted(rounds, key=lambda r: r.fraction)[(len(rounds) - 1) // 2]
 
 
 def run_batched(llm, setup: Setup, batch_size: int, prompt_len: int, output_len: int, seed: int) -> Batched:
@@ -165,6 +206,8 @@ def run(args) -> int:
     from kvserve import LLM
     from kvserve.worker.threads import configure_threads
 
+    if args.single_rounds < 1:
+        raise SystemExit(f"--single-rounds must be at least 1, got {args.single_rounds}")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     hardware = measure_machine(args.dtype, args.copy_mib, args.measure_seconds, device.split(":")[0])
     threads = configure_threads(args.num_threads)
@@ -179,14 +222,18 @@ def run(args) -> int:
     setup = model_setup(llm.engine.core.model_path, hardware, args.dtype, llm.engine.core.kv_info.block_size,
                         args.kv_cache_dtype)
     llm.generate(*_requests(llm, 1, 16, 4, args.seed), use_tqdm=False)  # warm-up: kernels, allocator
-    single = run_single_stream(llm, setup, args.prompt_len, args.single_output_len, args.seed)
+    rounds = run_single_rounds(llm, setup, args, device.split(":")[0])
     batched = [run_batched(llm, setup, b, args.prompt_len, args.output_len, args.seed) for b in batch_sizes]
-    report(setup, threads.num_threads, single, batched, args.json)
+    report(setup, threads.num_threads, rounds, batched, args.json)
     return 0
 
 
-def report(setup: Setup, threads: int, single: SingleStream, batched: list[Batched], as_json: bool) -> None:
-    hw, best = setup.hardware, max(batched, key=lambda b: b.output_tokens_per_s)
+def _single_json(single: SingleStream) -> dict:
+    return {**asdict(single), "fraction": single.fraction, "effective_bandwidth": single.effective_bandwidth}
+
+
+def report(setup: Setup, threads: int, rounds: list[SingleStream], batched: list[Batched], as_json: bool) -> None:
+    hw, best, single = setup.hardware, max(batched, key=lambda b: b.output_tokens_per_s), median_round(rounds)
     context = single.prompt_len + single.output_len // 2
     if as_json:
         print(json.dumps({
@@ -194,8 +241,8 @@ def report(setup: Setup, threads: int, single: SingleStream, batched: list[Batch
             "model": setup.model.name, "dtype": setup.dtype, "kv_cache_dtype": setup.kv_cache_dtype,
             "engine_threads": threads,
             "weight_bytes_per_step": weight_bytes_read(setup, 1), "flops_per_token": flops_per_token(setup, context),
-            "single_stream": {**asdict(single), "fraction": single.fraction,
-                              "effective_bandwidth": single.effective_bandwidth},
+            "single_stream": _single_json(single),
+            "single_stream_rounds": [_single_json(r) for r in rounds],
             "batched": [{**asdict(b), "flops_fraction": b.flops_fraction, "of_ceiling": b.of_ceiling}
                         for b in batched],
             "best_batch_size": best.batch_size}, indent=2))
@@ -205,9 +252,13 @@ def report(setup: Setup, threads: int, single: SingleStream, batched: list[Batch
     print(f"model: {setup.model.name} {setup.dtype} (KV cache {setup.kv_cache_dtype}): "
           f"{weight_bytes_read(setup, 1) / 1e6:.1f} MB of weights read per "
           f"decode step, {flops_per_token(setup, context) / 1e6:.1f} MFLOP per token at context {context}")
-    print(f"single-stream decode: {single.decode_tokens_per_s:.1f} tok/s; memory bound "
-          f"{single.bound_tokens_per_s:.1f} tok/s ({single.bytes_per_step / 1e6:.1f} MB per step): "
-          f"{100 * single.fraction:.0f}% of the bound (reads {single.effective_bandwidth / 1e9:.1f} GB/s)")
+    for i, r in enumerate(rounds):
+        print(f"single-stream round {i + 1}: {r.decode_tokens_per_s:.1f} tok/s; copy {r.bandwidth / 1e9:.1f} GB/s "
+              f"around it, memory bound {r.bound_tokens_per_s:.1f} tok/s: {100 * r.fraction:.0f}%")
+    print(f"single-stream decode (median round): {single.decode_tokens_per_s:.1f} tok/s; memory bound "
+          f"{single.bound_tokens_per_s:.1f} tok/s ({single.bytes_per_step / 1e6:.1f} MB per step at "
+          f"{single.bandwidth / 1e9:.1f} GB/s): {100 * single.fraction:.0f}% of the bound "
+          f"(reads {single.effective_bandwidth / 1e9:.1f} GB/s)")
     print(f"{'batch':>5} {'out tok/s':>9} {'decode bound':>12} {'achieved TFLOP/s':>16} {'of matmul peak':>14} "
           f"{'roofline allows':>15} {'of that':>7}")
     for b in batched:
@@ -226,6 +277,8 @@ def add_parser(bench_sub) -> None:
     p.add_argument("--num-threads", type=int, default=None, help="engine threads (default: kvserve's choice)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--single-output-len", type=int, default=256, help="output tokens of the single stream")
+    p.add_argument("--single-rounds", type=int, default=3,
+                   help="single streams, each against the copy bandwidth measured around it; the median is reported")
     p.add_argument("--output-len", type=int, default=128, help="output tokens per request of the batched runs")
     p.add_argument("--batch-sizes", default="8,32,64,128,256", help="comma-separated concurrent requests to try")
     p.add_argument("--kv-cache-memory", type=float, default=None,

@@ -104,6 +104,13 @@ def _best_rate(work: float, fn, sync, seconds: float) -> float:
     return best
 
 
+def measure_copy_bandwidth(copy_bytes: int = 256 * 2**20, seconds: float = 0.5, device: str = "cpu") -> float:
+    """``measure_local``'s bandwidth figure alone (bytes read plus written per second by a large copy)."""
+    import torch
+
+    return _copy_bandwidth(torch, device, copy_bytes, seconds)
+
+
 def _copy_bandwidth(torch, device: str, nbytes: int, seconds: float) -> float:
     """Bytes read plus bytes written per second by ``dst.copy_(src)``, larger than any cache."""
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)

@@ -20,6 +20,7 @@ import pytest
 from kvserve.bench.roofline import (
     Batched,
     SingleStream,
+    median_round,
     bytes_per_decode_step,
     decode_bound_tokens_per_s,
     flops_per_token,
@@ -92,6 +93,19 @@ def test_fractions():
     assert single.effective_bandwidth == pytest.approx(18.0 * 2.7e8)
     assert Batched(32, 300.0, 0.5e12, 1000.0, 2e12, 0.5).flops_fraction == pytest.approx(0.25)
 
+
+
+def test_a_round_is_priced_at_the_bandwidth_measured_around_it():
+    single = SingleStream(128, 256, 18.0, 2.7e8, 36.0, bandwidth=9.72e9).at_bandwidth(5.4e9)
+    assert single.bandwidth == 5.4e9 and single.bound_tokens_per_s == pytest.approx(20.0)
+    assert single.fraction == pytest.approx(0.9)
+
+
+def test_the_median_round_is_reported():
+    rounds = [SingleStream(128, 256, rate, 2.7e8, 0.0).at_bandwidth(5.4e9) for rate in (15.0, 18.0, 10.0, 12.0)]
+    assert median_round(rounds).decode_tokens_per_s == 12.0  # the lower middle of four
+    assert median_round(rounds[:3]).decode_tokens_per_s == 15.0
+    assert median_round(rounds[:1]).decode_tokens_per_s == 15.0
 
 
 def test_run_roofline_is_batched_prefill_then_decode_steps(setup):
