@@ -20,10 +20,10 @@ import pytest
 from kvserve.bench.roofline import (
     Batched,
     SingleStream,
-    median_round,
     bytes_per_decode_step,
     decode_bound_tokens_per_s,
     flops_per_token,
+    median_round,
     memory_bound_tokens_per_s,
     request_flops,
     run_roofline_seconds,

@@ -156,6 +156,17 @@ inline __m512 sum16(__m512* v) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), r);
 }
 
+// An online softmax's running max m after a chunk of scores sc; returns the factor by which what
+// was summed before must be rescaled (0 on the first chunk, where m = -inf). Checked per lane first,
+// so most chunks need no horizontal max.
+inline float raise_max(__m512 sc, float& m) {
+  if (!_mm512_cmp_ps_mask(sc, _mm512_set1_ps(m), _CMP_GT_OQ)) return 1.f;
+  const float m_new = std::max(m, _mm512_reduce_max_ps(sc));
+  const float alpha = std::exp2(m - m_new);
+  m = m_new;
+  return alpha;
+}
+
 // Cache kinds of the vectorised kernel: Elem is the stored element type (uint8_t for the quantized kinds).
 enum class Kind { kDense, kInt8, kFp8 };
 
@@ -336,15 +347,9 @@ void decode_vec(const T* q, const Elem* k_base, const Elem* v_base, int64_t num_
         if (int_dot) sc = _mm512_mul_ps(sc, _mm512_set1_ps(s.qstep[g]));
         sc = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, sc);
 
-        // Online softmax: rescale what has been summed so far when the max grows (checked per lane
-        // first, so most chunks need no horizontal max).
-        float alpha = 1.f;
+        // Online softmax: rescale what has been summed so far when the max grows.
         float& m = s.m[g];
-        if (_mm512_cmp_ps_mask(sc, _mm512_set1_ps(m), _CMP_GT_OQ)) {
-          const float m_new = std::max(m, _mm512_reduce_max_ps(sc));
-          alpha = std::exp2(m - m_new);  // 0 on the first chunk (m = -inf)
-          m = m_new;
-        }
+        const float alpha = raise_max(sc, m);
         const __m512 va = _mm512_set1_ps(alpha);
         const __m512 p = _mm512_maskz_mov_ps(valid, exp2_ps(_mm512_sub_ps(sc, _mm512_set1_ps(m))));
         _mm512_storeu_ps(&s.l[g * kChunk], _mm512_fmadd_ps(_mm512_loadu_ps(&s.l[g * kChunk]), va, p));  // per-lane sums
@@ -506,13 +511,8 @@ void decode_bf16(const uint16_t* q, const uint16_t* k_base, const uint16_t* v_ba
           const int64_t g = g0 + j;
           __m512 sc = _mm512_mul_ps(sum16(part[j]), _mm512_set1_ps(qscale));
           sc = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, sc);
-          float alpha = 1.f;
           float& m = s.m[g];
-          if (_mm512_cmp_ps_mask(sc, _mm512_set1_ps(m), _CMP_GT_OQ)) {
-            const float m_new = std::max(m, _mm512_reduce_max_ps(sc));
-            alpha = std::exp2(m - m_new);  // 0 on the first chunk (m = -inf)
-            m = m_new;
-          }
+          const float alpha = raise_max(sc, m);
           const __m256i p = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(valid, exp2_ps(_mm512_sub_ps(sc, _mm512_set1_ps(m)))));
           _mm256_store_si256(reinterpret_cast<__m256i*>(&s.pb[g * kChunk]), p);
           // The sum of the weights as rounded, so that they are normalized by what was summed.
