@@ -158,8 +158,9 @@ def run_single_stream(llm, setup: Setup, prompt_len: int, output_len: int, seed:
     prompts, params = _requests(llm, 1, prompt_len, output_len, seed)
     out = llm.generate(prompts, params, use_tqdm=False)[0]
     rate = (len(out.token_ids) - 1) / (out.e2e_latency - out.ttft)
-    step_bytes = bytes_per_decode_step(setup, 1, prompt_len + output_len // 2)
-    return SingleStream(prompt_len, output_len, rate, step_bytes, 0.0).at_bandwidth(setup.hardware.bandwidth)
+    mid_context = prompt_len + output_len // 2
+    return SingleStream(prompt_len, output_len, rate, bytes_per_decode_step(setup, 1, mid_context),
+                        memory_bound_tokens_per_s(setup, mid_context), setup.hardware.bandwidth)
 
 
 def run_single_rounds(llm, setup: Setup, args, device: str) -> list[SingleStream]:
