@@ -36,17 +36,24 @@ namespace {
 constexpr int64_t kTile = 512;         // bf16 values per 16 x 32 tile
 constexpr int64_t kMaxVectorRows = 4;  // up to here AVX512-BF16, beyond AMX where the CPU has it
 // How 1-2 rows of x stream W: how many strips side by side, and how far ahead (bf16 values) each
-// strip's stream is prefetched by software (0: not at all). On the Intel AMX machine 4 strips with a
-// 4 KB prefetch measured best (2 and 8 KB slower). On an AMD Zen 4 the hardware prefetchers do better
-// alone, and with more streams: the default model's 30 layers of linears at 1 row ran 15% faster
-// without the prefetch and another ~10% with 8 strips (in-process A/B, cold weights; 4 rows 5%, 32 and
-// more rows unchanged). cpu_kernels.py defines KVSERVE_AMD from /proc/cpuinfo.
+// strip's stream is prefetched by software, with which hint. On the Intel AMX machine 4 strips with a
+// 4 KB prefetch into L1 measured best (2 and 8 KB slower), for every few-row kernel. On an AMD Zen 4
+// that prefetch was 15% slower than none and 8 strips ~10% faster than 4 (session 14); a prefetch
+// 1 KB ahead into L2 (T2), for 1-2 rows only, then read the default model's 30 layers of linears
+// 10-11% faster again in a microbenchmark (36.1 -> 40.2 GB/s while a copy ran at 42.6, 29.7 -> 32.6
+// at 29.9; 512 B and 2 KB about as good, 4 KB less), and single-stream decode ran 3% faster (median
+// of 8 alternating rounds in one process, 111.2 -> 114.6 tok/s; session 18).
+// cpu_kernels.py defines KVSERVE_AMD from /proc/cpuinfo.
 #if defined(KVSERVE_AMD)
+constexpr bool kAmd = true;
 constexpr int kFewRowStrips = 8;
-constexpr int64_t kPrefetchValues = 0;
+constexpr int64_t kPrefetchValues = 512;
+constexpr _mm_hint kPrefetchHint = _MM_HINT_T2;
 #else
+constexpr bool kAmd = false;
 constexpr int kFewRowStrips = 4;
 constexpr int64_t kPrefetchValues = 2048;
+constexpr _mm_hint kPrefetchHint = _MM_HINT_T0;
 #endif
 // Many rows without AMX: work items of kVectorBlockRows rows of x against a group of strip pairs
 // holding about kVectorGroupBytes of W (it stays in L2 while the item's rows pass over it, kVectorRows
@@ -136,7 +143,8 @@ void vector_strips(const uint16_t* w, const uint16_t* x, int64_t k, const Output
         xv[m] = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + m * k + c * 32 + 2 * r));
       for (int g = 0; g < G; ++g) {
         const uint16_t* t = ws + g * strip_values + c * kTile + r * 32;
-        if constexpr (kPrefetchValues > 0) _mm_prefetch(reinterpret_cast<const char*>(t + kPrefetchValues), _MM_HINT_T0);
+        if constexpr (kPrefetchValues > 0 && (!kAmd || MB <= 2))
+          _mm_prefetch(reinterpret_cast<const char*>(t + kPrefetchValues), kPrefetchHint);
         const __m512bh wv = (__m512bh)_mm512_load_si512(t);
         for (int m = 0; m < MB; ++m) acc[g][m] = _mm512_dpbf16_ps(acc[g][m], wv, xv[m]);
       }
