@@ -420,7 +420,7 @@ void decode_vec(const T* q, const Elem* k_base, const Elem* v_base, int64_t num_
 // The interleave puts dimension 32 r + 8 (i / 4) + i % 4 (+ 4 for the high half) in lane i of
 // accumulator 2 r (2 r + 1); the result is put back in order once, at the end.
 //
-// A task is tokens [t0, t1) of one sequence for kv heads h0 .. h0 + nh - 1; it leaves its unnormalized
+// A task is tokens [t0, t1) of one sequence, all its kv heads (nh); it leaves its unnormalized
 // state (base-2 running max m, sum of weights l, weighted sum of values acc, per query head) for
 // merge_partials, so that a long sequence can be split over threads (flash-decoding).
 constexpr int64_t kBf16Ahead = 2;
@@ -430,7 +430,7 @@ struct Bf16Scratch {
   simd::aligned_vector<float> l;     // [heads, 16] per-lane sums of the (rounded) weights
   simd::aligned_vector<uint16_t> pb; // [heads, 16] this chunk's weights in bf16
   std::vector<float> m, alpha;       // [heads] running max, this chunk's rescale factor
-  std::vector<int64_t> rows;         // [t1 - t0] element offsets of head h0's rows
+  std::vector<int64_t> rows;         // [t1 - t0] element offsets of each token's first head's row
   Bf16Scratch(int64_t heads, int64_t head_dim)
       : acc(heads * head_dim), l(heads * kChunk), pb(heads * kChunk), m(heads), alpha(heads) {}
 };
@@ -443,9 +443,8 @@ struct Partial {
 };
 
 template <int kD>
-void decode_bf16(const uint16_t* q, const uint16_t* k_base, const uint16_t* v_base, int64_t num_kv_heads,
-                 const int64_t* table, int64_t block_size, int64_t t0, int64_t t1, int64_t h0, int64_t nh,
-                 int64_t group, float qscale, Partial out, Bf16Scratch& s) {
+void decode_bf16(const uint16_t* q, const uint16_t* k_base, const uint16_t* v_base, int64_t nh,
+                 const int64_t* table, int64_t block_size, int64_t t0, int64_t t1, int64_t group, float qscale, Partial out, Bf16Scratch& s) {
   constexpr int kR = kD / 32;             // zmm registers per bf16 row
   constexpr int kV = kD / 16;             // float32 accumulators per query head
   constexpr int kQB = 4;                  // query heads scored together (their q in registers)
@@ -457,10 +456,10 @@ void decode_bf16(const uint16_t* q, const uint16_t* k_base, const uint16_t* v_ba
   const int64_t len = t1 - t0;
   if (static_cast<int64_t>(s.rows.size()) < len) s.rows.resize(len);
   for (int64_t t = t0, blk = t0 / block_size, off = t0 % block_size; t < t1; ++t) {
-    s.rows[t - t0] = ((table[blk] * block_size + off) * num_kv_heads + h0) * kD;
+    s.rows[t - t0] = (table[blk] * block_size + off) * nh * kD;
     if (++off == block_size) { off = 0; ++blk; }
   }
-  const int64_t span_lines = (nh * kD * 2 + 63) / 64;  // cache lines of a token's rows of these heads
+  const int64_t span_lines = (nh * kD * 2 + 63) / 64;  // cache lines of a token's rows (all heads)
   // Rows are asked for kBf16Ahead chunks before they are used (into L2: on a Zen 4 into L1 was
   // slower, one chunk ahead too late), the first chunks' at once.
   for (int64_t t = 0; t < std::min<int64_t>(len, kBf16Ahead * kChunk); ++t)
@@ -631,8 +630,8 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
       const int64_t b = task_seq[i];
       const Partial state = split ? Partial{&m[i * num_heads], &l[i * num_heads], &acc[i * num_heads * head_dim]}
                                   : Partial{own_m.data(), own_l.data(), own_acc.data()};
-      f(qp + b * num_heads * head_dim, kp, vp, num_kv_heads, bt + b * width, block_size, task_t0[i], task_t1[i], 0,
-        num_kv_heads, group, qscale, state, s);
+      f(qp + b * num_heads * head_dim, kp, vp, num_kv_heads, bt + b * width, block_size, task_t0[i], task_t1[i], group,
+        qscale, state, s);
       if (!split) merge_partials(state.m, state.l, state.acc, 1, num_heads, head_dim, op + b * num_heads * head_dim);
     }
   });
