@@ -216,6 +216,17 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None  # one per token id, when SamplingParams.logprobs is set
     num_cached_tokens: int = 0  # prompt tokens whose KV was reused (prefix cache or fork), not recomputed
 
+    def merge(self, delta: CompletionOutput) -> None:
+        """Append a delta output of the same sequence (``LLMEngine.step(delta=True)``)."""
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
+        self.finish_reason = delta.finish_reason
+        self.num_cached_tokens = delta.num_cached_tokens
+
 
 @dataclass
 class RequestOutput:
@@ -228,6 +239,15 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     prompt_logprobs: list[TokenLogprob | None] | None = None  # None for the first prompt token
+
+    def merge(self, delta: RequestOutput) -> None:
+        """Add a delta output of the same request to this one, in place: what a stream does with the
+        engine's ``step(delta=True)`` outputs to keep one cumulative output per request."""
+        for mine, new in zip(self.outputs, delta.outputs, strict=True):
+            mine.merge(new)
+        self.finished, self.metrics = delta.finished, delta.metrics
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
 
     # Shortcuts for the common n == 1 case.
     @property

@@ -2,6 +2,11 @@
 
 A request with ``n`` > 1 becomes ``n`` sequences in the core (ids ``<id>#<i>``) gathered back
 into one RequestOutput here.
+
+Outputs are cumulative (all text and tokens so far) or, with ``step(delta=True)``, only what is new
+since the request's previous output: a server streaming hundreds of long requests would otherwise
+copy every request's whole token list and text on every step (at 256 streams of ~256 tokens, 2.3 ms
+a step of the engine thread's time, growing with length).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from kvserve.worker.threads import balance_threads, configure_threads
 class _Sequence:
     request: Request
     detokenizer: IncrementalDetokenizer
+    sent_tokens: int = 0  # delta outputs: tokens (and logprobs) and characters already handed out
+    sent_text: int = 0
 
 
 @dataclass
@@ -29,9 +36,12 @@ class _Tracked:
     prompt: str | None
     prompt_token_ids: list[int]
     sequences: list[_Sequence]
+    sent_any: bool = False  # delta outputs: the prompt's logprobs go out with the first one only
 
     @property
     def finished(self) -> bool:
+        if len(self.sequences) == 1:  # n == 1, the common case, without a generator per output
+            return self.sequences[0].request.is_finished
         return all(s.request.is_finished for s in self.sequences)
 
 
@@ -94,9 +104,11 @@ class LLMEngine:
     def request_ids(self) -> list[str]:
         return list(self._tracked)
 
-    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False, delta: bool = False) -> list[RequestOutput]:
         """One engine step; returns an output for every request that produced text or finished
-        (only the finished ones with ``finished_only``, which saves copying on long batches)."""
+        (only the finished ones with ``finished_only``, which saves copying on long batches).
+        With ``delta`` each output holds only what is new since the request's previous one
+        (``RequestOutput.merge`` adds them up again)."""
         balance_threads()  # one thread fewer while another process keeps a core busy
         updates = self.core.step()
         touched: dict[str, _Tracked] = {}
@@ -112,28 +124,37 @@ class LLMEngine:
                 finished = True
             if finished or not finished_only:
                 touched[tracked.request_id] = tracked
-        return [self._output(t) for t in touched.values() if not finished_only or t.finished]
+        return [self._output(t, delta) for t in touched.values() if not finished_only or t.finished]
 
-    def _output(self, tracked: _Tracked) -> RequestOutput:
+    def _output(self, tracked: _Tracked, delta: bool = False) -> RequestOutput:
         finished = tracked.finished
         if finished:
             self._tracked.pop(tracked.request_id, None)
             for s in tracked.sequences:
                 self._sequences.pop(s.request.request_id, None)
-        outputs = [
-            CompletionOutput(
-                index=i,
-                # Unfinished text stops short of a tail that may still become a stop string, so a
-                # stream never shows text that a later token would cut away.
-                text=s.detokenizer.text[:s.detokenizer.stream_safe_length(s.request.is_finished)],
-                token_ids=list(s.request.output_token_ids),
-                finish_reason=s.request.finish_reason.value if s.request.finish_reason else None,
-                logprobs=None if s.request.sampling_params.logprobs is None else list(s.request.output_logprobs),
-                num_cached_tokens=s.request.num_cached_tokens or 0,
-            )
-            for i, s in enumerate(tracked.sequences)
-        ]
+        outputs = [_completion(i, s, delta) for i, s in enumerate(tracked.sequences)]
         first = tracked.sequences[0].request
-        prompt_logprobs = None if first.sampling_params.prompt_logprobs is None else [None, *first.prompt_logprobs]
+        prompt_logprobs = None
+        if first.sampling_params.prompt_logprobs is not None and not (delta and tracked.sent_any):
+            prompt_logprobs = [None, *first.prompt_logprobs]
+        tracked.sent_any = True
         return RequestOutput(tracked.request_id, tracked.prompt, tracked.prompt_token_ids, outputs, finished,
                              first.metrics, prompt_logprobs)
+
+
+def _completion(index: int, s: _Sequence, delta: bool) -> CompletionOutput:
+    """One sequence's output: everything so far, or (``delta``) what its last output did not carry."""
+    request = s.request
+    # Unfinished text stops short of a tail that may still become a stop string, so a stream never
+    # shows text that a later token would cut away.
+    text_end = s.detokenizer.stream_safe_length(request.is_finished)
+    text_start, token_start = (s.sent_text, s.sent_tokens) if delta else (0, 0)
+    s.sent_text, s.sent_tokens = text_end, len(request.output_token_ids)
+    return CompletionOutput(
+        index=index,
+        text=s.detokenizer.text[text_start:text_end],
+        token_ids=request.output_token_ids[token_start:],
+        finish_reason=request.finish_reason.value if request.finish_reason else None,
+        logprobs=None if request.sampling_params.logprobs is None else request.output_logprobs[token_start:],
+        num_cached_tokens=request.num_cached_tokens or 0,
+    )

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from kvserve.config import CUDA_TOKEN_BUDGET, CacheConfig, EngineConfig, QuantConfig, SchedulerConfig, SpeculativeConfig
+from kvserve.engine.heap import frozen_heap
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.types import RequestOutput, SamplingParams
 
@@ -108,10 +109,11 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not show_progress, unit="req")
         try:
-            while len(done) < len(ids):
-                for out in self.engine.step(finished_only=True):
-                    done[out.request_id] = out
-                    bar.update(1)
+            with frozen_heap():  # full garbage collections would walk every start-up object: see engine/heap.py
+                while len(done) < len(ids):
+                    for out in self.engine.step(finished_only=True):
+                        done[out.request_id] = out
+                        bar.update(1)
         except BaseException:
             for rid in ids:  # leave no half-finished request holding KV blocks
                 if rid not in done:

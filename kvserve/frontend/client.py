@@ -6,8 +6,10 @@ and blocks on the queue when idle. After each step it hands all outputs to the e
 ``call_soon_threadsafe``, so neither side ever waits on the other: a slow client cannot stall a
 step, and a long step cannot stall the HTTP layer (torch releases the GIL while it computes).
 
-Outputs are cumulative, so each request keeps only its latest one; a consumer that falls behind
-skips intermediate states instead of growing a queue.
+The engine hands out delta outputs (only what each step added) and each request's stream adds them
+into one cumulative output, updated in place: the engine thread's work per output does not grow
+with the length of the text, and a consumer that falls behind finds everything in the one output
+instead of a growing queue.
 """
 
 from __future__ import annotations
@@ -100,7 +102,8 @@ class ModelInfo:
 
 
 class RequestStream:
-    """Async iterator over one request's cumulative outputs, ending after the finished one.
+    """Async iterator over one request's cumulative output, ending once it has finished. Every item
+    is the same RequestOutput, grown in place as deltas arrive: read it when it is handed to you.
 
     ``close()`` (synchronous, idempotent) aborts the request if it has not finished, so callers
     put it in a ``finally``: a client that goes away frees its KV blocks within one step.
@@ -225,7 +228,7 @@ class AsyncEngineClient:
         return snapshot.num_waiting + (self._submitted - admitted)
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Queue a request now; iterate the returned stream for its cumulative outputs.
+        """Queue a request now; iterate the returned stream for its cumulative output.
 
         Raises EngineNotReadyError, EngineDeadError or QueueFullError at once, before queueing.
         The engine's ValueError, if it rejects the request, comes out of the stream.
@@ -254,7 +257,10 @@ class AsyncEngineClient:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.latest = out
+                if stream.latest is None:
+                    stream.latest = out  # the engine's lists are fresh: the stream's own from now on
+                else:
+                    stream.latest.merge(out)
                 stream.event.set()
 
     def _deliver_error(self, request_id: str | None, error: BaseException) -> None:
@@ -278,7 +284,7 @@ class AsyncEngineClient:
             self._publish(engine)
             while self._handle_commands(engine, block=not engine.has_unfinished()):
                 if engine.has_unfinished():
-                    outputs = engine.step()
+                    outputs = engine.step(delta=True)
                     self._publish(engine, outputs)
         except BaseException as e:  # any failure must turn health red, not vanish
             logger.exception("engine loop died")

@@ -90,8 +90,8 @@ class StatsCollector:
                 self._on_output(live, out, now)
 
     def _on_output(self, live: _Live, out: RequestOutput, now: float) -> None:
-        generated = sum(len(c.token_ids) for c in out.outputs)
-        new = generated - live.num_generated
+        """``out`` is a delta output: the tokens it holds are the new ones."""
+        new = sum(len(c.token_ids) for c in out.outputs)
         if new > 0:
             if live.first_token is None:
                 live.first_token = now
@@ -99,7 +99,8 @@ class StatsCollector:
                 self.sink.add_tokens(live.num_prompt_tokens, 0)
             else:
                 self.sink.observe_itl(now - live.last_token)
-            live.last_token, live.num_generated = now, generated
+            live.last_token = now
+            live.num_generated += new
             self.sink.add_tokens(0, new)
         if out.finished:
             reasons = [c.finish_reason or "stop" for c in out.outputs]

@@ -87,6 +87,14 @@ def test_stream_chunks_and_usage(client):
     assert all(c.usage is None for c in content)
 
 
+def test_stream_of_several_prompts_counts_each_choice_once(client):
+    chunks = list(client.completions.create(model="tiny", prompt=["w9 w10", "w11", "w12 w13 w14"], n=2, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    *content, last = chunks
+    assert last.usage.completion_tokens == 3 * 2 * 24 and last.usage.prompt_tokens > 0
+    assert sorted(c.choices[0].index for c in content if c.choices[0].finish_reason) == list(range(6))
+
+
 def test_async_client_streaming_and_not(server):
     async def run():
         aclient = openai.AsyncOpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0)

@@ -186,7 +186,7 @@ async def event_stream(streams: list[RequestStream], chunks_for: Callable[[int, 
     """The SSE body both endpoints share: leading chunks, then each output's chunks as it arrives, a usage
     chunk once every stream has finished, and ``[DONE]``. An error after the first byte cannot change the
     status any more, so it is sent in-band; a client that leaves (cancel or close) aborts every stream."""
-    final: list[RequestOutput] = []
+    final: dict[int, RequestOutput] = {}
     try:
         for chunk in first:
             yield sse(chunk)
@@ -194,10 +194,10 @@ async def event_stream(streams: list[RequestStream], chunks_for: Callable[[int, 
             async for i, out in outputs:
                 for chunk in chunks_for(i, out):
                     yield sse(chunk)
-                if out.finished:
-                    final.append(out)
+                if out.finished:  # a stream's output grows in place: it may be seen finished twice
+                    final[i] = out
         if usage_chunk is not None:
-            yield sse(usage_chunk(final))
+            yield sse(usage_chunk(list(final.values())))
     except Exception as e:  # noqa: BLE001 - reported to the client as an error event
         yield sse_error(e)
     finally:

@@ -1,0 +1,30 @@
+"""Keep Python's cyclic garbage collector off the objects that were alive before a generation began.
+
+A full collection walks every tracked object: in a process that has loaded torch, transformers and
+a model that is ~300K objects and 130-170 ms, a stall of every request in the batch. A long batch
+triggers a few (256 requests x 1,024 tokens on the CPU: 3, 0.5 s in all); on a GPU, where the same
+steps take a tenth of the time, they would be a far larger share. ``frozen_heap`` moves what exists
+at the start into the permanent generation for the duration and back afterwards (both O(1) in
+CPython), so the collections in between only look at objects the generation itself made, and
+nothing stays uncollectable after it.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Freeze the heap while the block runs, unless collection is off or someone else froze it
+    (``kvserve serve`` freezes for good once its model is loaded): unfreezing would undo theirs."""
+    if not gc.isenabled() or gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
