@@ -64,9 +64,27 @@ def load_kernels() -> ModuleType | None:
     build_dir = cache_dir() / "kernels" / digest
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
+        sources, include = _staged_sources(build_dir)
         return cpp_extension.load(
-            name=f"kvserve_kernels_{digest}", sources=[str(p) for p in _SOURCES], build_directory=str(build_dir),
-            extra_cflags=cflags, extra_ldflags=_OPENMP, extra_include_paths=[str(p) for p in _HEADERS], verbose=False)
+            name=f"kvserve_kernels_{digest}", sources=sources, build_directory=str(build_dir),
+            extra_cflags=cflags, extra_ldflags=_OPENMP, extra_include_paths=[include], verbose=False)
     except Exception as e:  # no compiler, no ninja, odd platform: the PyTorch path still works
         log.warning("kvserve: C++ CPU kernels unavailable (%s); using the PyTorch path", e)
         return None
+
+
+def _staged_sources(build_dir: Path) -> tuple[list[str], str]:
+    """Copies of the sources and headers in the build directory (written only if they differ), so the
+    paths torch's extension loader sees do not depend on where kvserve is installed: it keys its
+    build on those paths, and rebuilt (~70 s on two cores) for a second checkout of the same code."""
+    staged = build_dir / "src"
+    staged.mkdir(exist_ok=True)
+    paths = []
+    for source in [*_SOURCES, *sorted(_HEADERS[0].glob("*.h"))]:
+        target = staged / source.name
+        code = source.read_bytes()
+        if not target.is_file() or target.read_bytes() != code:
+            target.write_bytes(code)
+        if source.suffix == ".cpp":
+            paths.append(str(target))
+    return paths, str(staged)
