@@ -22,6 +22,7 @@ from kvserve.scheduler.scheduler import Scheduler
 from kvserve.spec_decode.controller import SpeculativeController
 from kvserve.spec_decode.proposer import make_proposer
 from kvserve.types import FinishReason, Request, RequestStatus, SamplingParams, TokenLogprob
+from kvserve.worker.allocator import keep_freed_memory
 from kvserve.worker.model_runner import ModelRunner, RunnerOutput
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,8 @@ class EngineCore:
         self.config = config
         self.model_path = resolve_model_path(config.model)
         device = torch.device(config.device)
+        if device.type == "cpu":
+            keep_freed_memory()  # large per-step tensors reuse heap memory: see worker/allocator.py
         model, self.model_config = load_model(self.model_path, config.torch_dtype, device,
                                               config.quant.quantization, config.quant.group_size)
         self.kv_info = size_kv_cache(config, self.model_config)

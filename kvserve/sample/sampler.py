@@ -1,7 +1,9 @@
 """Batched sampling where every row carries its own parameters.
 
-Rows are sampled with the exponential-race trick (argmax of p / Exp(1) noise) instead of
-multinomial: one vectorised argmax for the whole batch. A seeded request draws its noise from a
+Rows are sampled by inverse CDF, all at once: one uniform number per row, found in the row's
+cumulative probabilities by binary search. (An exponential race, argmax of p / Exp(1) noise,
+needs a random number per vocabulary entry: 30 ms a step for 32 rows of a 49K vocabulary on two
+CPU cores, half of a decode step, against ~1.5 ms.) A seeded request draws its number from a
 generator keyed by (seed, tokens generated so far), so its samples do not depend on what else
 is in the batch, on preemption, or on earlier steps having run at all.
 
@@ -68,20 +70,20 @@ class Sampler:
         if batch.all_greedy:
             return greedy.cpu()
         probs = filtered_probs(logits, batch.params)
-        noise = self._noise(probs.shape, batch, probs.device)
-        sampled = (probs / noise).max(dim=-1).indices
+        sampled = sample_from_probs(probs, self._uniforms(batch, probs.device))
         is_greedy = torch.tensor([p.greedy for p in batch.params], device=logits.device)
         return torch.where(is_greedy, greedy, sampled).cpu()
 
-    def _noise(self, shape: torch.Size, batch: SamplingBatch, device: torch.device) -> torch.Tensor:
-        """Exp(1) noise [B, V] on ``device``: unseeded rows from the sampler's generator there (no
-        [B, V] host-to-device copy on a GPU); seeded rows from the CPU, the same on every device."""
-        noise = torch.empty(shape, device=device).exponential_(generator=self._generator_for(device))
-        for row, (p, n) in enumerate(zip(batch.params, batch.num_generated)):
-            if p.seed is not None and not p.greedy:
-                gen = torch.Generator().manual_seed((p.seed * _SEED_STRIDE + n) % (1 << 63))  # any int seed is valid
-                noise[row] = torch.empty(shape[1:]).exponential_(generator=gen).to(device)
-        return noise
+    def _uniforms(self, batch: SamplingBatch, device: torch.device) -> torch.Tensor:
+        """One U[0, 1) number per row on ``device``: unseeded rows from the sampler's generator there;
+        seeded rows from the CPU (the same on every device), copied over in one go."""
+        u = torch.rand(len(batch.params), generator=self._generator_for(device), device=device)
+        seeded = [(row, p.seed, n) for row, (p, n) in enumerate(zip(batch.params, batch.num_generated))
+                  if p.seed is not None and not p.greedy]
+        if seeded:
+            values = [torch.rand((), generator=seeded_generator(seed, n)).item() for _, seed, n in seeded]
+            u[torch.tensor([row for row, _, _ in seeded], device=device)] = torch.tensor(values, device=device)
+        return u
 
     def _generator_for(self, device: torch.device) -> torch.Generator:
         if device.type == "cpu":
@@ -89,6 +91,26 @@ class Sampler:
         if device not in self._device_generators:
             self._device_generators[device] = torch.Generator(device).manual_seed(self.seed)
         return self._device_generators[device]
+
+
+def seeded_generator(seed: int, position: int) -> torch.Generator:
+    """A request's own random stream at one output position (any int seed is valid)."""
+    return torch.Generator().manual_seed((seed * _SEED_STRIDE + position) % (1 << 63))
+
+
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Row i's token: the first whose cumulative probability exceeds ``uniforms[i]`` times the row's
+    total (rows need not be normalised). A token of probability 0 adds nothing to the cumulative sum,
+    so no u lands on it; u x total is kept below the total, so even u = 1 picks a token."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(uniforms[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from one row of (unnormalised) probabilities on the CPU, by ``generator``."""
+    return int(sample_from_probs(probs[None], torch.rand(1, generator=generator))[0])
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from kvserve.config import EngineConfig, ModelConfig
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.model.attention.backend import get_backend
 from kvserve.model.loader import load_model, resolve_model_path
-from kvserve.sample.sampler import filtered_probs
+from kvserve.sample.sampler import draw, filtered_probs
 from kvserve.scheduler.output import ScheduledRequest
 from kvserve.spec_decode.proposer import Proposal, register_proposer
 from kvserve.types import Request, SamplingParams
@@ -78,7 +78,7 @@ class DraftModelProposer:
             q = torch.cat([q, q.new_zeros(self.target_vocab - q.shape[0])])
         seed = (params.seed if params.seed is not None else 0) * 1_000_003 + len(r.output_token_ids) + step
         gen = torch.Generator().manual_seed(seed + _DRAFT_SEED_OFFSET)
-        return int((q / torch.empty_like(q).exponential_(generator=gen)).argmax()), q[:self.target_vocab]
+        return draw(q, gen), q[:self.target_vocab]
 
     @staticmethod
     def _stack(probs: list[torch.Tensor | None]) -> torch.Tensor | None:

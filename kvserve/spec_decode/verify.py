@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.sample.sampler import filtered_probs
+from kvserve.sample.sampler import draw, filtered_probs
 from kvserve.types import SamplingParams
 
 _SEED_STRIDE = 1_000_003
@@ -25,11 +25,6 @@ def _generator(params: SamplingParams, step: int, fallback: torch.Generator) -> 
     if params.seed is None:
         return fallback
     return torch.Generator().manual_seed(params.seed * _SEED_STRIDE + step + 7919)
-
-
-def _draw(probs: torch.Tensor, gen: torch.Generator) -> int:
-    noise = torch.empty(probs.shape).exponential_(generator=gen)
-    return int((probs.cpu() / noise).argmax())
 
 
 def verify(logits: torch.Tensor, proposed: list[int], params: SamplingParams, num_generated: int,
@@ -62,6 +57,6 @@ def verify(logits: torch.Tensor, proposed: list[int], params: SamplingParams, nu
             residual = (residual - draft_probs[j].float().cpu()).clamp_min(0.0)
         if residual.sum() <= 0:  # p == q exactly: any token from p is correct
             residual = probs[j]
-        return out + [_draw(residual, gen)]
+        return out + [draw(residual, gen)]
     gen = _generator(params, num_generated + len(proposed), fallback)
-    return out + [_draw(probs[len(proposed)], gen)]
+    return out + [draw(probs[len(proposed)], gen)]

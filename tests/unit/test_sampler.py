@@ -1,0 +1,61 @@
+"""The sampler draws each row from exactly the distribution its parameters define (temperature,
+top-k, top-p, min-p), never a token of probability 0, and a seeded row the same token wherever it
+sits in the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.sample.sampler import Sampler, SamplingBatch, filtered_probs, sample_from_probs
+from kvserve.types import SamplingParams
+
+VOCAB = 40
+
+
+def _logits() -> torch.Tensor:
+    return torch.randn(VOCAB, generator=torch.Generator().manual_seed(5)) * 2
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.0, top_k=5),
+    SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=1.0, min_p=0.1),
+], ids=["temperature", "top_k", "top_p", "min_p"])
+def test_frequencies_match_the_filtered_distribution(params):
+    rows = 40_000
+    logits = _logits().expand(rows, VOCAB).contiguous()
+    want = filtered_probs(logits[:1], [params])[0]
+    want = want / want.sum()  # min-p masks without renormalising
+    sampler = Sampler(seed=3)
+    tokens = sampler(logits, SamplingBatch([params] * rows, [0] * rows)).token_ids
+    counts = torch.bincount(torch.tensor(tokens), minlength=VOCAB).double()
+    assert counts[want == 0].sum() == 0  # filtered-out tokens never come up
+    sigma = (want.double() * (1 - want.double()) / rows).sqrt()
+    assert torch.all((counts / rows - want.double()).abs() <= 5 * sigma + 1e-9)
+    assert (want > 0).sum() > 1  # a real distribution, not a point mass
+
+
+def test_edges_of_the_unit_interval_land_on_tokens_with_probability():
+    probs = torch.tensor([[0.0, 0.3, 0.7, 0.0], [0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 2.0]])
+    almost_one = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))
+    assert sample_from_probs(probs, torch.zeros(3)).tolist() == [1, 0, 3]
+    assert sample_from_probs(probs, almost_one.expand(3)).tolist() == [2, 1, 3]
+    assert sample_from_probs(probs, torch.ones(3)).tolist() == [2, 1, 3]  # even u = 1 stays inside
+
+
+def test_a_seeded_row_draws_the_same_token_at_any_place_in_the_batch():
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(1))
+    seeded = SamplingParams(temperature=1.0, seed=42)
+    other = SamplingParams(temperature=1.0)
+    alone = Sampler(seed=0)(logits[:1], SamplingBatch([seeded], [7])).token_ids[0]
+    for row in range(1, 6):
+        mixed = logits.clone()
+        mixed[row] = logits[0]
+        params = [other] * 6
+        params[row] = seeded
+        got = Sampler(seed=row)(mixed, SamplingBatch(params, [7] * 6)).token_ids[row]
+        assert got == alone
+    later = [Sampler(seed=0)(logits[:1], SamplingBatch([seeded], [n])).token_ids[0] for n in range(8, 40)]
+    assert len(set(later)) > 1  # the position moves the stream on
