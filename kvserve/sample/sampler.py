@@ -161,18 +161,53 @@ def scored_logprobs(logits: torch.Tensor, targets: list[int], num_top: int) -> l
     return token_logprobs(logits, ids, [num_top] * len(targets))  # type: ignore[return-value]
 
 
+# Each row's best tokens are sorted first (topk), not the whole vocabulary: a full sort took 45 ms a
+# step for 32 rows of a 49K vocabulary on two CPU cores (the step itself ~55 ms), the 256 best 2.8 ms.
+_FIRST_WIDTH = 256
+
+
 def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Mask logits outside each row's top-k and nucleus (top-p); the best token always survives."""
-    device = logits.device
+    """Mask logits outside each row's top-k and nucleus (top-p); the best token always survives.
+    Top-p is taken over the top-k tokens' renormalised probabilities where a row has both.
+
+    The 256 best tokens hold every top-k up to 256 and the nucleus of a peaked distribution. A row
+    whose nucleus is wider (a flat distribution) is cut among the tokens of probability at least
+    (1 - top_p) / vocabulary, which always hold its nucleus: all the rarer ones together have less
+    than the 1 - top_p of mass that the nucleus leaves out. Rounding aside, which the last pass (the
+    whole vocabulary) catches."""
     vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-    ranks = torch.arange(vocab, device=device)[None, :]
-    remove = ranks >= k[:, None]
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    sorted_probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
-    cumulative = sorted_probs.cumsum(dim=-1)
-    remove |= (cumulative - sorted_probs) >= top_p[:, None]  # drop tokens once mass before them >= top_p
-    remove[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params], device=logits.device)
+    top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+    out = logits.clone()
+    rows = torch.nonzero((top_k > 0) | (top_p < 1)).flatten()
+    for width in (_FIRST_WIDTH, None, vocab):
+        if rows.numel() == 0:
+            break
+        if width is None:  # the rows left have no top-k (any top-k fitted the first width)
+            probs = logits[rows].softmax(dim=-1)
+            width = int((probs >= ((1 - top_p[rows]) / vocab)[:, None]).sum(dim=-1).max())
+        width = min(vocab, max(width, int(top_k[rows].max())))
+        cut, resolved = _cut_to_candidates(logits[rows], top_k[rows], top_p[rows], width)
+        out[rows[resolved]] = cut[resolved]
+        rows = rows[~resolved]
+    return out
+
+
+def _cut_to_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                       width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k and top-p among each row's ``width`` best tokens; also which rows that settles (all of
+    their top-k, a nucleus that ends inside the candidates, or every token being a candidate)."""
+    values, order = logits.topk(width, dim=-1)  # best first
+    has_k = top_k > 0
+    outside_k = torch.arange(width, device=logits.device)[None, :] >= torch.where(has_k, top_k, width)[:, None]
+    kept = values.masked_fill(outside_k, float("-inf"))
+    # each candidate's probability: among the top-k where a row has one, else in the whole vocabulary
+    norm = torch.where(has_k, kept.logsumexp(dim=-1), logits.logsumexp(dim=-1))
+    probs = (kept - norm[:, None]).exp()
+    cumulative = probs.cumsum(dim=-1)
+    # drop tokens once the mass before them reaches top_p (top_p = 1 drops none, whatever the rounding)
+    drop = outside_k | (((cumulative - probs) >= top_p[:, None]) & (top_p < 1)[:, None])
+    drop[:, 0] = False
+    resolved = has_k | (cumulative[:, -1] >= top_p) | (width == logits.shape[-1])
+    cut = torch.full_like(logits, float("-inf")).scatter_(-1, order, values.masked_fill(drop, float("-inf")))
+    return cut, resolved

@@ -59,3 +59,48 @@ def test_a_seeded_row_draws_the_same_token_at_any_place_in_the_batch():
         assert got == alone
     later = [Sampler(seed=0)(logits[:1], SamplingBatch([seeded], [n])).token_ids[0] for n in range(8, 40)]
     assert len(set(later)) > 1  # the position moves the stream on
+
+
+def _reference_cut(row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The definition, one row at a time with a full sort: keep the top-k, then the smallest set of
+    best tokens whose renormalised mass reaches top_p (the best always stays)."""
+    order = row.sort(descending=True).indices
+    keep = order[:top_k] if 0 < top_k < len(row) else order
+    if top_p < 1:
+        probs = row[keep].softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs
+        keep = keep[(before < top_p) | (torch.arange(len(keep)) == 0)]
+    out = torch.full_like(row, float("-inf"))
+    out[keep] = row[keep]
+    return out
+
+
+def test_top_k_top_p_sorts_only_candidates_and_cuts_like_a_full_sort(monkeypatch):
+    from kvserve.sample import sampler as sampler_module
+
+    widths = []
+    real = sampler_module._cut_to_candidates
+    monkeypatch.setattr(sampler_module, "_cut_to_candidates", lambda *a: widths.append(a[3]) or real(*a))
+    vocab = 10_000
+    gen = torch.Generator().manual_seed(0)
+
+    def check(scales, params):
+        widths.clear()
+        logits = torch.stack([torch.randn(vocab, generator=gen) * s for s in scales])
+        got = sampler_module._top_k_top_p(logits, params)
+        for row, p in enumerate(params):
+            assert torch.equal(got[row], _reference_cut(logits[row], p.top_k, p.top_p)), row
+        return got, logits
+
+    # peaked rows settle among the 256 best; a top-k wider than that widens the first pass
+    got, logits = check([4.0, 4.0, 4.0, 0.5, 4.0], [
+        SamplingParams(top_p=0.9), SamplingParams(top_k=20, top_p=0.5), SamplingParams(),
+        SamplingParams(top_k=5000), SamplingParams(top_k=vocab + 3, top_p=0.3)])
+    assert widths == [5000]
+    assert torch.equal(got[2], logits[2])  # a row without a cut keeps every token
+    # a flatter row's nucleus is cut among the tokens that can belong to it, not the whole vocabulary
+    check([4.0, 1.5], [SamplingParams(top_p=0.9), SamplingParams(top_p=0.9)])
+    assert widths[0] == 256 and 256 < widths[1] < vocab and len(widths) == 2
+    # a near-uniform one needs them all
+    check([0.01, 1.0], [SamplingParams(top_p=0.8), SamplingParams(top_k=1)])
+    assert widths == [256, vocab]
