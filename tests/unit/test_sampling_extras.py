@@ -37,10 +37,15 @@ def test_penalties_match_reference_per_row():
               SamplingParams(frequency_penalty=2.0)]
     prompts = [[1, 2], [1, 2, 2, 9], [3, 3], [0]]
     outputs = [[4], [2, 5, 5, 5], [], [6, 6, 11]]
+    before = logits.clone()
     got = apply_penalties(logits, params, prompts, outputs)
+    every = apply_penalties(logits[1:], params[1:], prompts[1:], outputs[1:])  # all rows penalised
     for row in range(4):
         want = _reference(logits[row], params[row], prompts[row], outputs[row])
         torch.testing.assert_close(got[row], want)
+        if row:
+            torch.testing.assert_close(every[row - 1], want)
+    assert torch.equal(logits, before)  # the raw logits (read for logprobs) are left alone
 
 
 def test_no_penalty_rows_cost_nothing():
