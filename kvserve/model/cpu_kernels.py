@@ -84,7 +84,10 @@ def _staged_sources(build_dir: Path) -> tuple[list[str], str]:
         target = staged / source.name
         code = source.read_bytes()
         if not target.is_file() or target.read_bytes() != code:
-            target.write_bytes(code)
+            # write then rename: another process starting at the same time never compiles a half-written file
+            partial = staged / f".{source.name}.{os.getpid()}"
+            partial.write_bytes(code)
+            os.replace(partial, target)
         if source.suffix == ".cpp":
             paths.append(str(target))
     return paths, str(staged)
