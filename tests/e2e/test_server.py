@@ -330,14 +330,19 @@ def test_overload_answers_429_at_once(guarded):
 
 def test_sigterm_finishes_in_flight_then_exits_zero(model_dir):
     proc = ServerProcess([str(model_dir), *ENGINE_ARGS])
-    body = {"prompt": "w5", "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True}
+    # Long enough to be still running when the signal comes (a stream's first chunk carries whatever
+    # the engine made before the event loop sent it: under load, once, all of a 60-token request).
+    body = {"prompt": "w5", "max_tokens": 250, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
     with httpx.stream("POST", proc.url("/v1/completions"), json=body, timeout=60) as response:
         lines = response.iter_lines()
-        next(lines)
+        first = next(lines)
         proc.proc.terminate()
-        rest = [line for line in lines if line]
-    assert rest[-1] == "data: [DONE]"
-    assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+        events = [first, *(line for line in lines if line)]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 250
+    assert json.loads(events[-3][6:])["choices"][0]["finish_reason"] == "length"
+    assert json.loads(first[6:])["choices"][0]["finish_reason"] is None  # it was in flight when stopped
     assert proc.stop() == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(proc.url("/health"))
