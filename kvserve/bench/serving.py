@@ -52,6 +52,7 @@ class Target:
     ignore_eos: bool
     headers: dict
     text_prompts: bool
+    sampling: dict = field(default_factory=lambda: {"temperature": 0})  # body fields: temperature, top_p, top_k
 
 
 def arrival_offsets(num: int, rate: float, seed: int) -> list[float]:
@@ -68,7 +69,7 @@ def arrival_offsets(num: int, rate: float, seed: int) -> list[float]:
 
 def request_body(req: BenchRequest, target: Target) -> dict:
     prompt = _as_text(req.prompt_token_ids) if target.text_prompts else req.prompt_token_ids
-    body: dict = {"max_tokens": req.max_tokens, "temperature": 0, "stream": True,
+    body: dict = {"max_tokens": req.max_tokens, **target.sampling, "stream": True,
                   "stream_options": {"include_usage": True}}
     if target.model:
         body["model"] = target.model
@@ -234,6 +235,16 @@ def print_report(summary: dict, config: dict) -> None:
         print(f"  error: {error}")
 
 
+def sampling_fields(args) -> dict:
+    """The request body's sampling fields: greedy unless asked; top_k (a vLLM-style extension) only if set."""
+    fields = {"temperature": args.temperature}
+    if args.top_p is not None:
+        fields["top_p"] = args.top_p
+    if args.top_k is not None:
+        fields["top_k"] = args.top_k
+    return fields
+
+
 def run(args) -> int:
     reqs = random_requests(args.num_requests, (args.prompt_min, args.prompt_max), (args.output_min, args.output_max),
                            args.vocab_size, seed=args.workload_seed)
@@ -241,7 +252,7 @@ def run(args) -> int:
     target = Target(url=args.base_url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions"),
                     model=args.model, chat=chat, ignore_eos=args.ignore_eos,
                     headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {},
-                    text_prompts=chat or args.prompt_format == "text")
+                    text_prompts=chat or args.prompt_format == "text", sampling=sampling_fields(args))
     if args.warmup:
         asyncio.run(run_load(reqs[:1], target, math.inf, 1, 0, args.timeout, False))
     results, wall = asyncio.run(run_load(reqs, target, args.request_rate, args.max_concurrency, args.workload_seed,
@@ -273,6 +284,9 @@ def add_parser(bench_sub) -> None:
                    help="send token ids (exact lengths) or words (for servers without token-id prompts)")
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrival rate in req/s (inf: all now)")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: send top_p")
+    p.add_argument("--top-k", type=int, default=None, help="send top_k (a vLLM-style extension)")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="ask the server to generate exactly max_tokens (default on)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
@@ -290,5 +304,9 @@ def _validated_run(args) -> int:
         raise ValueError(f"--max-concurrency {args.max_concurrency} must be >= 1")
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate {args.request_rate} must be > 0 (inf: send all at once)")
+    if not args.temperature >= 0:
+        raise ValueError(f"--temperature {args.temperature} must be >= 0")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p {args.top_p} must be in (0, 1]")
     return run(args)
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
 
+from kvserve.bench import serving
 from kvserve.bench.serving import RequestResult, arrival_offsets, chunk_text, percentiles, summarize
+from kvserve.bench.workloads import BenchRequest
 
 
 def test_arrivals_are_seeded_poisson_or_all_at_once():
@@ -39,3 +42,23 @@ def test_summary_counts_only_completed_requests():
     assert (s["completed"], s["failed"], s["errors"]) == (2, 1, ["HTTP 429: busy"])
     assert s["output_throughput"] == pytest.approx(4.0) and s["total_token_throughput"] == pytest.approx(14.0)
     assert s["ttft"]["p50_ms"] == pytest.approx(200.0) and s["itl"]["p99_ms"] == pytest.approx(100.0)
+
+
+def test_sampling_flags_reach_the_request_body():
+    parser = argparse.ArgumentParser()
+    serving.add_parser(parser.add_subparsers())
+    greedy = parser.parse_args(["serve", "--base-url", "http://x"])
+    sampled = parser.parse_args(["serve", "--base-url", "http://x", "--temperature", "1", "--top-p", "0.9",
+                                 "--top-k", "50"])
+    req = BenchRequest([5, 6, 7], 4)
+
+    def body(args):
+        target = serving.Target("http://x/v1/completions", None, False, True, {}, False, serving.sampling_fields(args))
+        return serving.request_body(req, target)
+
+    assert body(greedy)["temperature"] == 0 and "top_p" not in body(greedy) and "top_k" not in body(greedy)
+    assert {k: body(sampled)[k] for k in ("temperature", "top_p", "top_k")} == {"temperature": 1.0, "top_p": 0.9,
+                                                                             "top_k": 50}
+    for bad in (["--temperature", "-1"], ["--top-p", "0"], ["--top-p", "1.5"]):
+        with pytest.raises(ValueError, match="temperature|top-p"):
+            serving._validated_run(parser.parse_args(["serve", "--base-url", "http://x", *bad]))
