@@ -14,7 +14,7 @@ from kvserve.config import EngineConfig, ModelConfig
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.model.attention.backend import get_backend
 from kvserve.model.loader import load_model, resolve_model_path
-from kvserve.sample.sampler import draw, filtered_probs
+from kvserve.sample.sampler import draw, filtered_probs, seeded_generator
 from kvserve.scheduler.output import ScheduledRequest
 from kvserve.spec_decode.proposer import Proposal, register_proposer
 from kvserve.types import Request, SamplingParams
@@ -76,8 +76,8 @@ class DraftModelProposer:
         q = filtered_probs(logits.float()[None], [params])[0].cpu()
         if q.shape[0] < self.target_vocab:
             q = torch.cat([q, q.new_zeros(self.target_vocab - q.shape[0])])
-        seed = (params.seed if params.seed is not None else 0) * 1_000_003 + len(r.output_token_ids) + step
-        gen = torch.Generator().manual_seed(seed + _DRAFT_SEED_OFFSET)
+        seed = params.seed if params.seed is not None else 0
+        gen = seeded_generator(seed, len(r.output_token_ids) + step + _DRAFT_SEED_OFFSET)
         return draw(q, gen), q[:self.target_vocab]
 
     @staticmethod

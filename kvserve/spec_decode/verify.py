@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.sample.sampler import draw, filtered_probs
+from kvserve.sample.sampler import draw, filtered_probs, seeded_generator
 from kvserve.types import SamplingParams
 
-_SEED_STRIDE = 1_000_003
+_VERIFY_SEED_OFFSET = 7919  # verification's stream apart from the sampler's at the same position
 
 
 def _generator(params: SamplingParams, step: int, fallback: torch.Generator) -> torch.Generator:
     """Per-request stream keyed by (seed, output position), as the sampler does; shared otherwise."""
     if params.seed is None:
         return fallback
-    return torch.Generator().manual_seed(params.seed * _SEED_STRIDE + step + 7919)
+    return seeded_generator(params.seed, step + _VERIFY_SEED_OFFSET)
 
 
 def verify(logits: torch.Tensor, proposed: list[int], params: SamplingParams, num_generated: int,
