@@ -41,11 +41,16 @@ def _cpu_signature() -> str:
     return flags
 
 
-def _vendor_flags() -> list[str]:
-    """Kernel constants tuned per CPU vendor (packed_linear.cpp's few-row streaming of W)."""
-    from kvserve.worker.threads import cpu_vendor
+# AMD's CPU family from Zen 5 on (Zen 3 and 4 are family 25).
+_ZEN5_FAMILY = 26
 
-    return ["-DKVSERVE_AMD"] if cpu_vendor() == "AuthenticAMD" else []
+
+def vendor_flags(vendor: str, family: int | None) -> list[str]:
+    """Kernel constants tuned per CPU (packed_linear.cpp's few-row streaming of W): AMD, and among
+    AMD CPUs Zen 5 and later, whose tuning differs from Zen 4's."""
+    if vendor != "AuthenticAMD":
+        return []
+    return ["-DKVSERVE_AMD", *(["-DKVSERVE_AMD_ZEN5"] if (family or 0) >= _ZEN5_FAMILY else [])]
 
 
 @cache
@@ -58,7 +63,10 @@ def load_kernels() -> ModuleType | None:
 
     from kvserve.frontend.tokenizer import cache_dir
 
-    cflags = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", *_OPENMP, *_vendor_flags()]
+    from kvserve.worker.threads import cpu_family, cpu_vendor
+
+    cflags = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", *_OPENMP,
+              *vendor_flags(cpu_vendor(), cpu_family())]
     code = b"".join(p.read_bytes() for p in [*_SOURCES, *sorted(_HEADERS[0].glob("*.h"))])
     digest = hashlib.sha256(code + _cpu_signature().encode() + " ".join(cflags).encode()).hexdigest()[:12]
     build_dir = cache_dir() / "kernels" / digest

@@ -75,16 +75,28 @@ def prepare_openmp(environ: MutableMapping[str, str], torch_loaded: bool) -> boo
     return environ.get(WAIT_POLICY, "").strip().upper() == "PASSIVE"
 
 
-def cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), or "" where there is none."""
+def _cpuinfo_field(name: str) -> str:
+    """The first core's ``name`` field of /proc/cpuinfo, or "" where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                if key.strip() == name:
+                    return value.strip()
     except OSError:
         pass
     return ""
+
+
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), or "" where there is none."""
+    return _cpuinfo_field("vendor_id")
+
+
+def cpu_family() -> int | None:
+    """/proc/cpuinfo's cpu family (AMD: 25 = Zen 3/4, 26 = Zen 5), or None where there is none."""
+    family = _cpuinfo_field("cpu family")
+    return int(family) if family.isdigit() else None
 
 
 def default_spin_count(vendor: str | None = None) -> int:

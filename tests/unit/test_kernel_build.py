@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from kvserve.model import cpu_kernels
+from kvserve.worker import threads
 
 
 def test_sources_are_staged_in_the_build_directory_and_rewritten_only_when_changed(tmp_path):
@@ -21,3 +24,27 @@ def test_sources_are_staged_in_the_build_directory_and_rewritten_only_when_chang
     assert again == sources
     assert (staged / "simd.h").read_bytes() == (cpu_kernels._HEADERS[0] / "simd.h").read_bytes()
     assert all(p.stat().st_mtime_ns == t for p, t in first.items() if p.name != "simd.h")
+
+
+@pytest.mark.parametrize("vendor, family, flags", [
+    ("GenuineIntel", 6, []),
+    ("AuthenticAMD", 25, ["-DKVSERVE_AMD"]),                        # Zen 3 / Zen 4
+    ("AuthenticAMD", 26, ["-DKVSERVE_AMD", "-DKVSERVE_AMD_ZEN5"]),  # Zen 5
+    ("AuthenticAMD", None, ["-DKVSERVE_AMD"]),
+    ("", None, []),
+])
+def test_kernel_tuning_flags_follow_the_cpu(vendor, family, flags):
+    assert cpu_kernels.vendor_flags(vendor, family) == flags
+
+
+def test_cpuinfo_fields_are_read_by_name(tmp_path, monkeypatch):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
+                       "processor\t: 1\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(cpuinfo if path == "/proc/cpuinfo" else path,
+                                                                         *a, **k))
+    assert threads.cpu_vendor() == "AuthenticAMD"
+    assert threads.cpu_family() == 26
+    cpuinfo.write_text("processor\t: 0\n")  # no such fields (some ARM kernels)
+    assert threads.cpu_vendor() == "" and threads.cpu_family() is None

@@ -42,12 +42,19 @@ constexpr int64_t kMaxVectorRows = 4;  // up to here AVX512-BF16, beyond AMX whe
 // 1 KB ahead into L2 (T2), for 1-2 rows only, then read the default model's 30 layers of linears
 // 10-11% faster again in a microbenchmark (36.1 -> 40.2 GB/s while a copy ran at 42.6, 29.7 -> 32.6
 // at 29.9; 512 B and 2 KB about as good, 4 KB less), and single-stream decode ran 3% faster (median
-// of 8 alternating rounds in one process, 111.2 -> 114.6 tok/s; session 18).
-// cpu_kernels.py defines KVSERVE_AMD from /proc/cpuinfo.
+// of 8 alternating rounds in one process, 111.2 -> 114.6 tok/s; session 18). On an AMD Zen 5 the
+// same prefetch made it slower: the fused single-stream step with the output head ran 1.12x as fast
+// without (median of 30 alternating rounds in one process, 6.21 -> 5.58 ms; 2 KB ahead, 512 B, T0,
+// NTA and 4, 12 or 16 strips no better than 8 without; session 20).
+// cpu_kernels.py defines KVSERVE_AMD and KVSERVE_AMD_ZEN5 from /proc/cpuinfo.
 #if defined(KVSERVE_AMD)
 constexpr bool kAmd = true;
 constexpr int kFewRowStrips = 8;
+#if defined(KVSERVE_AMD_ZEN5)
+constexpr int64_t kPrefetchValues = 0;
+#else
 constexpr int64_t kPrefetchValues = 512;
+#endif
 constexpr _mm_hint kPrefetchHint = _MM_HINT_T2;
 #else
 constexpr bool kAmd = false;
