@@ -474,14 +474,21 @@ void decode_bf16(const uint16_t* q, const uint16_t* k_base, const uint16_t* v_ba
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
     // Chunk + kBf16Ahead's rows (scattered blocks) are asked for while this one is computed, a few
     // lines per key row read (all at once, they filled the miss queue and stalled the loads).
+    // No division in the pump (decode_vec's lesson): with a modulo per line a token cost 37 ns
+    // instead of 26 (one thread, 2,048 tokens, 9 query heads on 3 kv heads of 64).
     const int64_t pf_end = std::min(len, start + (kBf16Ahead + 1) * kChunk);
-    int64_t pf_t = start + kBf16Ahead * kChunk, pf_line = 0;  // the next line: token pf_t's K (then V) span, line pf_line
+    int64_t pf_t = start + kBf16Ahead * kChunk, pf_off = 0;  // the next line: byte pf_off of token pf_t's K (then V) span
+    bool pf_v = false;
     const int64_t pf_per_row = (2 * span_lines * kChunk + nh * kChunk - 1) / (nh * kChunk);
     auto pump = [&] {
       for (int64_t i = 0; i < pf_per_row && pf_t < pf_end; ++i) {
-        const uint16_t* base = pf_line < span_lines ? k_base : v_base;
-        _mm_prefetch(reinterpret_cast<const char*>(base + s.rows[pf_t]) + 64 * (pf_line % span_lines), _MM_HINT_T2);
-        if (++pf_line == 2 * span_lines) { pf_line = 0; ++pf_t; }
+        _mm_prefetch(reinterpret_cast<const char*>((pf_v ? v_base : k_base) + s.rows[pf_t]) + pf_off, _MM_HINT_T2);
+        pf_off += 64;
+        if (pf_off == 64 * span_lines) {
+          pf_off = 0;
+          pf_t += pf_v;
+          pf_v = !pf_v;
+        }
       }
     };
     for (int64_t hh = 0; hh < nh; ++hh) {
