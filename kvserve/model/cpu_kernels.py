@@ -62,7 +62,6 @@ def load_kernels() -> ModuleType | None:
     from torch.utils import cpp_extension
 
     from kvserve.frontend.tokenizer import cache_dir
-
     from kvserve.worker.threads import cpu_family, cpu_vendor
 
     cflags = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", *_OPENMP,
