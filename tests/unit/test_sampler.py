@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.sample.sampler import Sampler, SamplingBatch, filtered_probs, sample_from_probs
+from kvserve.model.cpu_kernels import load_kernels
+from kvserve.sample.sampler import Sampler, SamplingBatch, filtered_probs, sample_from_probs, temperature_samples
 from kvserve.types import SamplingParams
 
 VOCAB = 40
@@ -104,3 +105,49 @@ def test_top_k_top_p_sorts_only_candidates_and_cuts_like_a_full_sort(monkeypatch
     # a near-uniform one needs them all
     check([0.01, 1.0], [SamplingParams(top_p=0.8), SamplingParams(top_k=1)])
     assert widths == [256, vocab]
+
+
+def _midpoints(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens of probability > 1e-4 and the uniform number at the middle of each one's CDF interval
+    (float64), where any correct inverse-CDF sampler must pick that token."""
+    probs = (logits.double() / temperature).softmax(-1)
+    cdf = probs.cumsum(-1)
+    tokens = torch.nonzero(probs > 1e-4).flatten()
+    return tokens, (cdf[tokens] - probs[tokens] / 2).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 37, 49152])
+def test_temperature_kernel_lands_every_uniform_in_its_tokens_interval(dtype, vocab):
+    if load_kernels() is None:
+        pytest.skip("no C++ kernels here")
+    logits = (torch.randn(vocab, generator=torch.Generator().manual_seed(vocab)) * 3).to(dtype)
+    for temperature in (0.5, 1.0, 1.7):
+        tokens, u = _midpoints(logits.float(), temperature)
+        rows = logits.expand(len(tokens), vocab).contiguous()
+        params = [SamplingParams(temperature=temperature)] * len(tokens)
+        assert temperature_samples(rows, params, u).tolist() == tokens.tolist()
+
+
+def test_temperature_kernel_edges_and_masked_tokens():
+    if load_kernels() is None:
+        pytest.skip("no C++ kernels here")
+    logits = torch.full((3, 40), float("-inf"))
+    logits[0, [3, 17, 33]] = torch.tensor([0.0, 1.0, 2.0])
+    logits[1, 39] = 5.0
+    logits[2] = torch.arange(40.0)
+    logits[2, :10] = -1000.0  # 2^-126 and more below the best: weight 0, as -inf
+    params = [SamplingParams(temperature=1.0)] * 3
+    assert temperature_samples(logits, params, torch.zeros(3)).tolist() == [3, 39, 10]
+    for u in (torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)), torch.tensor(1.0)):
+        assert temperature_samples(logits, params, u.expand(3)).tolist() == [33, 39, 39]
+
+
+@pytest.mark.parametrize("filters", [{"top_k": 5}, {"top_p": 0.9}, {"min_p": 0.1}])
+def test_temperature_kernel_is_used_only_where_no_sampled_row_filters(filters):
+    logits = torch.randn(2, 64)
+    plain = SamplingParams(temperature=0.8)
+    assert temperature_samples(logits, [plain, SamplingParams(temperature=0.8, **filters)], torch.rand(2)) is None
+    if load_kernels() is not None:  # a greedy row's filters do not matter: the caller takes its argmax
+        out = temperature_samples(logits, [plain, SamplingParams(temperature=0, **filters)], torch.rand(2))
+        assert out is not None and out.shape == (2,)
