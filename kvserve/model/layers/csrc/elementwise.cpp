@@ -401,8 +401,9 @@ at::Tensor silu_mul(const at::Tensor& x) {
 
 // Temperature sampling of logits [rows, vocab] (no top-k, top-p or min-p) in one call: row r's token
 // from softmax(x_r / temperatures[r]) at uniforms[r] in [0, 1], by inverse CDF as sampler.py's
-// sample_from_probs, without the float copy, softmax, cumsum and search over the vocabulary that
-// took ~0.4 ms a row there (49K vocabulary).
+// sample_from_probs, without its float copy, softmax, cumsum and search over the vocabulary: the
+// engine's sampler took 1.9-2.3 ms a step for 32 rows of SmolLM2's 49K vocabulary that way, 0.8-0.9
+// with this (Zen 5, two threads).
 at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperatures, const at::Tensor& uniforms) {
   check_cpu(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "expected logits [rows, vocab]");
