@@ -69,7 +69,8 @@ at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residu
 void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_mul(const at::Tensor& x);
 at::Tensor argmax_rows(const at::Tensor& x);
-at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperatures, const at::Tensor& uniforms);
+at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperatures, const at::Tensor& uniforms,
+                       const c10::optional<at::Tensor>& filters);
 
 // quant/csrc/quant_linear.cpp
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
