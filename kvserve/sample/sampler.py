@@ -55,10 +55,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [B, V] -> the next token id of every row (and logprobs where asked)."""
-        # Argmax and the temperature kernel need no float copy of [B, V] (bf16 -> float32 is exact and
-        # monotonic); penalties and logprobs work on one, and filtered_probs makes its own.
-        plain = not any(p.needs_penalties or p.logprobs is not None for p in batch.params)
-        raw = logits if plain else logits.float()
+        # The sampling and logprob kernels need no float copy of [B, V] (bf16 -> float32 is exact and
+        # monotonic); penalties work on one, and the torch paths make their own.
+        raw = logits.float() if any(p.needs_penalties for p in batch.params) else logits
         tokens = self._sample(apply_penalties(raw, batch.params, batch.prompt_token_ids, batch.output_token_ids),
                               batch)
         if all(p.logprobs is None for p in batch.params):
@@ -164,14 +163,22 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
                    num_top: list[int | None]) -> list[TokenLogprob | None]:
-    """Log-softmax of the rows whose ``num_top`` is not None: the chosen token's logprob and the top-k pairs."""
+    """Log-softmax of the rows whose ``num_top`` is not None: the chosen token's logprob and the top-k pairs.
+    On the CPU one C++ call reads them off the logits as they are (``row_logprobs``); elsewhere, or
+    without the kernels, torch's log_softmax of a float copy."""
     rows = [i for i, k in enumerate(num_top) if k is not None]
+    width = max(num_top[i] for i in rows)
     index = torch.tensor(rows, device=logits.device)
-    logprobs = logits.index_select(0, index).log_softmax(dim=-1)
     chosen_ids = token_ids.to(logits.device).index_select(0, index)
-    chosen = logprobs.gather(1, chosen_ids[:, None]).squeeze(1).tolist()
-    top_values, top_ids = logprobs.topk(max(num_top[i] for i in rows), dim=-1)
-    top_values, top_ids, chosen_ids = top_values.tolist(), top_ids.tolist(), chosen_ids.tolist()
+    kernels = load_kernels() if logits.device.type == "cpu" and logits.dim() == 2 and logits.stride(-1) == 1 else None
+    if kernels is not None and logits.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        chosen_t, top_values, top_ids = kernels.row_logprobs(logits, index, chosen_ids, width)
+    else:
+        logprobs = logits.index_select(0, index).float().log_softmax(dim=-1)
+        chosen_t = logprobs.gather(1, chosen_ids[:, None]).squeeze(1)
+        top_values, top_ids = logprobs.topk(width, dim=-1)
+    chosen, chosen_ids = chosen_t.tolist(), chosen_ids.tolist()
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
     out: list[TokenLogprob | None] = [None] * len(num_top)
     for j, i in enumerate(rows):
         kept = num_top[i]

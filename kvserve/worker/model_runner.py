@@ -132,7 +132,7 @@ class ModelRunner:
             first = meta.query_start[i]
             logits = self.model.compute_logits(hidden[first:first + end - s.start_pos])
             targets = s.prompt_token_ids[s.start_pos + 1:end + 1]
-            result[s.request_id] = (s.start_pos + 1, scored_logprobs(logits.float(), targets, k))
+            result[s.request_id] = (s.start_pos + 1, scored_logprobs(logits, targets, k))
         return result
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:

@@ -163,3 +163,59 @@ def test_prompt_logprobs_bypass_the_prefix_cache(tiny):
     scored = tiny.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0))[0].prompt_logprobs
     assert len(scored) == len(prompt) and scored[0] is None
     assert [lp.token_id for lp in scored[1:]] == prompt[1:] and all(lp.top == [] for lp in scored[1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 37, 49152])
+def test_logprob_kernel_matches_torch_log_softmax(dtype, vocab, monkeypatch):
+    """The C++ path (the CPU's) and the torch one (CUDA's) give the same logprobs and the same top
+    tokens; ties go to the first index, and -inf logits are scored -inf."""
+    from kvserve.model.cpu_kernels import load_kernels
+    from kvserve.sample import sampler as sampler_module
+
+    if load_kernels() is None:
+        pytest.skip("no C++ kernels here")
+    gen = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(6, vocab, generator=gen) * 4).to(dtype)
+    if vocab > 20:
+        logits[1, :] = 0.0  # all tied
+        logits[2, 3:] = float("-inf")  # fewer finite values than the widest top
+        logits[3, [7, 11, 19]] = logits[3].max() + 1  # a tie for first place
+    tokens = torch.randint(0, vocab, (6,), generator=gen)
+    tokens[2] = vocab - 1  # a -inf logit
+    num_top = [min(k, vocab) if k is not None else None for k in (20, 5, 20, 3, None, 0)]
+    got = sampler_module.token_logprobs(logits, tokens, num_top)
+    monkeypatch.setattr(sampler_module, "load_kernels", lambda: None)
+    want = sampler_module.token_logprobs(logits, tokens, num_top)
+    ref = logits.float().log_softmax(-1)
+    for row, (g, w) in enumerate(zip(got, want)):
+        if w is None:
+            assert g is None
+            continue
+        assert g.token_id == w.token_id
+        assert g.logprob == pytest.approx(ref[row, tokens[row]].item(), abs=1e-5) or g.logprob == w.logprob == -math.inf
+        assert [v for _, v in g.top] == pytest.approx([v for _, v in w.top], abs=1e-5)
+        values = [v for _, v in g.top]
+        assert values == sorted(values, reverse=True)
+        for token, value in g.top:  # each pair is that token's logprob, whichever tie the order chose
+            assert value == pytest.approx(ref[row, token].item(), abs=1e-5) or value == ref[row, token].item()
+        assert len({t for t, _ in g.top}) == len(g.top)
+    if vocab > 20:
+        assert [t for t, _ in got[1].top] == list(range(5))  # ties: the first indices, in order
+        assert [t for t, _ in got[3].top] == [7, 11, 19]
+        finite_order = torch.argsort(logits[2, :3].float(), descending=True, stable=True).tolist()
+        assert [t for t, _ in got[2].top][:3] == finite_order
+    assert got[5].top == [] and got[5].logprob == pytest.approx(ref[5, tokens[5]].item(), abs=1e-5)
+
+
+def test_logprob_kernel_rejects_bad_rows_and_tokens():
+    from kvserve.model.cpu_kernels import load_kernels
+
+    kernels = load_kernels()
+    if kernels is None:
+        pytest.skip("no C++ kernels here")
+    logits = torch.randn(2, 10)
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        kernels.row_logprobs(logits, torch.tensor([0]), torch.tensor([10]), 2)
+    with pytest.raises(RuntimeError, match="outside the logits"):
+        kernels.row_logprobs(logits, torch.tensor([2]), torch.tensor([0]), 2)

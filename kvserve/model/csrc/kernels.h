@@ -14,6 +14,7 @@
 #include <exception>
 #include <mutex>
 #include <type_traits>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -71,6 +72,8 @@ at::Tensor silu_mul(const at::Tensor& x);
 at::Tensor argmax_rows(const at::Tensor& x);
 at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperatures, const at::Tensor& uniforms,
                        const c10::optional<at::Tensor>& filters);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> row_logprobs(const at::Tensor& x, const at::Tensor& rows,
+                                                            const at::Tensor& targets, int64_t num_top);
 
 // quant/csrc/quant_linear.cpp
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,

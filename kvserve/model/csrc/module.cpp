@@ -13,6 +13,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "index of each row's largest value, first on ties (CPU)", no_gil);
   m.def("sample_rows", &sample_rows, "sampling by inverse CDF, one uniform number per row, with optional top-k/top-p/min-p (CPU)",
         py::arg("x"), py::arg("temperatures"), py::arg("uniforms"), py::arg("filters") = py::none(), no_gil);
+  m.def("row_logprobs", &row_logprobs, "log-softmax at each row's target and its largest values (CPU)", no_gil);
   m.def("quant_linear", &quant_linear, "weight-only int8/int4 linear (CPU)", no_gil);
   m.def("dequantize", &dequantize, "dequantize an int8/int4 weight (CPU)", no_gil);
   m.def("dense_linear", &dense_linear, "x W^T for a dense bf16 weight that is not packed: fused loop for a few rows, else at::mm (CPU)", no_gil);
