@@ -369,8 +369,8 @@ inline uint32_t float_bits(float f) {
 }
 
 // Where a filter cuts the tokens in the order best first (weight descending, then index ascending):
-// the last token kept, with the count and the weight of all kept so far. `all` when the cut falls
-// beyond the candidates (every one is kept).
+// the last token kept and the weight of all kept up to it. `all` when the cut falls beyond the
+// candidates (every one is kept).
 struct Cut {
   bool all = true;
   float w = 0.f;
