@@ -199,10 +199,10 @@ def wait_healthy(server: Server, proc: subprocess.Popen) -> float:
         raise type(e)(f"{server.name}: {e}") from None
 
 
-def bench_serve(server: Server, workload: Workload, vocab_size: int) -> dict:
+def bench_serve(server: Server, workload: Workload, vocab_size: int, extra: list[str]) -> dict:
     cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "bench", "serve", "--base-url",
            f"http://127.0.0.1:{server.port}", "--json", "--no-progress", "--vocab-size", str(vocab_size),
-           *workload.bench_args(), *(["--model", server.model] if server.model else [])]
+           *workload.bench_args(), *(["--model", server.model] if server.model else []), *extra]
     out = subprocess.run(cmd, check=False, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     if not out.stdout.strip().startswith("{"):
         raise RuntimeError(f"bench serve failed ({out.returncode}): {out.stderr[-2000:]}")
@@ -231,7 +231,7 @@ def measure(engine: str, workload: Workload, args: argparse.Namespace) -> dict:
             startup = wait_healthy(server, proc)
             if args.busy_core is not None:
                 busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(args.busy_core)])
-            result = bench_serve(server, workload, args.vocab_size)
+            result = bench_serve(server, workload, args.vocab_size, args.bench_args)
         finally:
             for p in (busy, proc):
                 if p is not None:
@@ -269,6 +269,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kvserve-args", type=str.split, default=[], help="extra `kvserve serve` flags, one string")
     p.add_argument("--llama-cpp-args", type=str.split, default=[], help="extra llama-server flags, one string")
     p.add_argument("--vllm-args", type=str.split, default=[], help="extra vLLM server flags, one string")
+    p.add_argument("--bench-args", type=str.split, default=[],
+                   help="extra `kvserve bench serve` flags for every engine, one string: sampling, e.g. "
+                        "\"--temperature 1 --top-p 0.95\" (the workloads are greedy without)")
     p.add_argument("--busy-core", type=int, default=None,
                    help="keep this core busy (a pinned busy loop) while the load runs: the shared-machine case")
     p.add_argument("--out", type=Path, default=None, help="also write every result as JSON here")
