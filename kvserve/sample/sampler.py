@@ -168,7 +168,7 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
     On the CPU one C++ call reads them off the logits as they are (``row_logprobs``); elsewhere, or
     without the kernels, torch's log_softmax of a float copy."""
     rows = [i for i, k in enumerate(num_top) if k is not None]
-    width = max(num_top[i] for i in rows)
+    width = min(max(num_top[i] for i in rows), logits.shape[-1])  # a vocabulary smaller than the ask: all of it
     index = torch.tensor(rows, device=logits.device)
     chosen_ids = token_ids.to(logits.device).index_select(0, index)
     kernels = load_kernels() if logits.device.type == "cpu" and logits.dim() == 2 and logits.stride(-1) == 1 else None

@@ -219,3 +219,15 @@ def test_logprob_kernel_rejects_bad_rows_and_tokens():
         kernels.row_logprobs(logits, torch.tensor([0]), torch.tensor([10]), 2)
     with pytest.raises(RuntimeError, match="outside the logits"):
         kernels.row_logprobs(logits, torch.tensor([2]), torch.tensor([0]), 2)
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_logprobs_wider_than_the_vocabulary_return_all_of_it(path, monkeypatch):
+    from kvserve.sample import sampler as sampler_module
+
+    if path == "torch":
+        monkeypatch.setattr(sampler_module, "load_kernels", lambda: None)
+    logits = torch.randn(2, 5, generator=torch.Generator().manual_seed(0))
+    got = sampler_module.token_logprobs(logits, torch.tensor([1, 4]), [20, 3])
+    assert [len(g.top) for g in got] == [5, 3]
+    assert [t for t, _ in got[0].top] == logits[0].argsort(descending=True).tolist()
