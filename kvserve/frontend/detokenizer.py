@@ -6,15 +6,20 @@ short window twice, with and without the new tokens, and emits only the differen
 ends in a partial character (U+FFFD). The two decodes go straight to the Rust tokenizer where that
 gives the same text (transformers' wrapper costs more than the decoding).
 
-A byte-level BPE tokenizer (GPT-2, Llama 3, Qwen, SmolLM) needs no window: a token is a fixed byte
-string, so the text is an incremental UTF-8 decode of the concatenated bytes: 0.18 ms per step for
-256 requests instead of 0.57, the largest share of the host's work per request in a big decode batch.
+Where every token after the first is a fixed byte string, no window is needed: the text is an
+incremental UTF-8 decode of the concatenated bytes. That holds for byte-level BPE (GPT-2, Llama 3,
+Qwen, SmolLM) and for SentencePiece with byte fallback (Llama 2, Mistral, Gemma: "▁" is a space,
+"<0xNN>" a byte); only the text's first token is special there (its leading space is dropped), which
+the prompt's tokens always precede. 256 requests' detokenization per step: 0.18 ms instead of 0.57,
+the largest share of the host's work per request in a big decode batch.
 """
 
 from __future__ import annotations
 
 import codecs
 import functools
+import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,8 +40,13 @@ class IncrementalDetokenizer:
 
     def __post_init__(self) -> None:
         self._max_stop = max((len(s) for s in self.stop), default=0)
-        self._token_bytes = token_bytes_table(self.tokenizer, self.skip_special_tokens)
-        if self._token_bytes is not None:
+        table = token_bytes_table(self.tokenizer, self.skip_special_tokens)
+        context = self.prompt_token_ids[-_CONTEXT_TOKENS:]
+        # Text that starts with the output (no prompt text before it) keeps the window: its first token
+        # may decode differently from its bytes (SentencePiece drops the leading space there).
+        self._token_bytes = None
+        if table is not None and (table.first_as_is or any(table.pieces[t] for t in context)):
+            self._token_bytes = table.pieces
             self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
             return
         self._ids = list(self.prompt_token_ids[-_CONTEXT_TOKENS:])
@@ -90,30 +100,73 @@ def ids_decoder(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-@functools.lru_cache(maxsize=8)
-def token_bytes_table(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> tuple[bytes, ...] | None:
-    """Each token id's bytes, for a fast tokenizer whose decoding is byte-level BPE alone; None for any
-    other. The table is checked against the tokenizer's own decode of every token, once per tokenizer
-    (0.12 s for 49K tokens), so a tokenizer with any other decoding rule keeps the general path."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or type(backend.decoder).__name__ != "ByteLevel":
-        return None
-    if getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return None
-    byte_of = {c: b for b, c in bytes_to_unicode().items()}
-    special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special} if skip_special_tokens else set()
-    decode = ids_decoder(tokenizer, skip_special_tokens)
-    table = []
-    for token_id in range(backend.get_vocab_size(with_added_tokens=True)):
-        piece = backend.id_to_token(token_id)
-        if piece is None or token_id in special:
-            data = b""
-        elif all(c in byte_of for c in piece):
-            data = bytes(byte_of[c] for c in piece)
-        else:  # an added token written as plain text
-            data = piece.encode()
-        if data.decode("utf-8", "replace") != decode([token_id]):
-            return None
-        table.append(data)
-    return tuple(table)
+@dataclass(frozen=True)
+class TokenBytes:
+    """Each token id's bytes as it decodes after other text (b"" for skipped special tokens), and whether
+    a token that starts the text decodes to its bytes too (byte-level BPE: yes; SentencePiece: no)."""
 
+    pieces: tuple[bytes, ...]
+    first_as_is: bool
+
+
+@functools.lru_cache(maxsize=8)
+def token_bytes_table(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> TokenBytes | None:
+    """The byte table of a fast tokenizer whose decoder maps each token to fixed bytes (byte-level BPE,
+    SentencePiece's pieces); None for any other. The table is checked against the tokenizer's own
+    decode of every token, after another token and on its own (~0.15 s for 49K tokens), so a
+    tokenizer with any other decoding rule keeps the general path.
+
+    Invalid UTF-8 (a model's stray byte tokens) becomes one U+FFFD per maximal invalid sequence, as
+    Python and the ByteLevel decoder write it; SentencePiece's ByteFallback writes one per byte of a
+    run of byte tokens that is invalid anywhere. Valid text is the same either way."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    to_bytes = _piece_bytes(backend.decoder)
+    if to_bytes is None:
+        return None
+    special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special} if skip_special_tokens else set()
+    ids = range(backend.get_vocab_size(with_added_tokens=True))
+    pieces = [backend.id_to_token(i) for i in ids]
+    table = tuple(b"" if piece is None or i in special else to_bytes(piece) for i, piece in zip(ids, pieces))
+    anchor = next((i for i in ids if re.fullmatch(rb" ?[a-z]{2,}", table[i])), None)  # not a byte token
+    if anchor is None:
+        return None
+    decode = functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)  # decode_batch was slower
+    head, texts = decode([anchor]), [data.decode("utf-8", "replace") for data in table]
+    if any(decode([anchor, i]) != head + text for i, text in zip(ids, texts)):
+        return None
+    return TokenBytes(table, first_as_is=all(decode([i]) == text for i, text in zip(ids, texts)))
+
+
+def _piece_bytes(decoder) -> Callable[[str], bytes] | None:
+    """How ``decoder`` turns one token's piece into bytes, for the decoders that do so token by token:
+    ByteLevel (GPT-2's byte -> character map), Metaspace, and SentencePiece's chain of Replace("▁",
+    " "), ByteFallback ("<0xNN>" -> the byte), Fuse and Strip (the text's first space)."""
+    spec = json.loads(decoder.__getstate__()) if decoder is not None else {}
+    kind = spec.get("type")
+    if kind == "ByteLevel":
+        byte_of = {c: b for b, c in bytes_to_unicode().items()}
+        # an added token written as plain text keeps its characters
+        return lambda piece: bytes(byte_of[c] for c in piece) if all(c in byte_of for c in piece) else piece.encode()
+    if kind == "Metaspace":
+        space = spec.get("replacement", "\u2581")
+        return lambda piece: piece.replace(space, " ").encode()
+    if kind != "Sequence":
+        return None
+    steps = spec["decoders"]
+    names = [d["type"] for d in steps]
+    if names not in (["Replace", "ByteFallback", "Fuse"], ["Replace", "ByteFallback", "Fuse", "Strip"],
+                     ["Replace", "Fuse"], ["Replace", "Fuse", "Strip"]):
+        return None
+    space = steps[0].get("pattern", {}).get("String")
+    if space is None or steps[0].get("content") != " ":
+        return None
+    byte_fallback = "ByteFallback" in names
+
+    def to_bytes(piece: str) -> bytes:
+        if byte_fallback and re.fullmatch(r"<0x[0-9A-F]{2}>", piece):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace(space, " ").encode()
+
+    return to_bytes

@@ -1,10 +1,13 @@
 """Incremental detokenization: the streamed text equals decoding the whole sequence at once, the
-direct Rust decode gives exactly what the transformers wrapper would, and the byte-level path streams
-exactly what the general one does."""
+direct Rust decode gives exactly what the transformers wrapper would, and the byte-table path
+(byte-level BPE; SentencePiece, from a Llama-2-style tokenizer trained here) streams exactly what the
+general one does."""
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -59,13 +62,14 @@ def _general_path(monkeypatch):
 def test_byte_level_table_matches_the_tokenizer(tokenizer):
     """The default model's tokenizer is byte-level BPE: every token's bytes, special ones skipped."""
     table = token_bytes_table(tokenizer, True)
-    assert table is not None and len(table) == len(tokenizer)
+    assert table is not None and len(table.pieces) == len(tokenizer) and table.first_as_is
     text = "Grüße 東京 🎉"
     ids = tokenizer.encode(text, add_special_tokens=False)
-    assert b"".join(table[t] for t in ids).decode() == text
+    assert b"".join(table.pieces[t] for t in ids).decode() == text
     special = next(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
-    assert table[special] == b""
-    assert token_bytes_table(tokenizer, False)[special] == tokenizer.added_tokens_decoder[special].content.encode()
+    assert table.pieces[special] == b""
+    written = tokenizer.added_tokens_decoder[special].content.encode()
+    assert token_bytes_table(tokenizer, False).pieces[special] == written
 
 
 def test_other_decoders_keep_the_general_path(tokenizer, monkeypatch):
@@ -102,3 +106,141 @@ def test_byte_level_path_streams_what_the_general_path_does(tokenizer, monkeypat
         assert all(a.startswith(b) for a, b in zip(fast_text, general_text))
     assert fast[0][0][-1] == tokenizer.decode(ids, skip_special_tokens=True)
     assert fast[1][0][-1].endswith("東京") and fast[1][1]
+
+
+# ---- SentencePiece: Llama 2 / Mistral / Gemma's decoding, from a tokenizer trained here ---------------
+
+ALICE = Path(__file__).resolve().parents[1] / "data" / "alice29.txt"
+SAMPLE = "Grüße aus Köln — 東京タワー 🎉🎉 naïve café, d'accord? \n\tfin. Alice was beginning to get very tired"
+
+
+def sentencepiece_tokenizer(strip: bool = True, byte_fallback: bool = True, metaspace: bool = False):
+    """A Llama-2-style tokenizer.json: BPE over "▁"-marked words with the 256 "<0xNN>" byte pieces in
+    its vocabulary, decoded by Replace("▁", " ") + ByteFallback + Fuse + Strip (the first space), as
+    transformers converts Llama 2 / Mistral (Gemma: no Strip); or by a Metaspace decoder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    metaspace_pre = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = Tokenizer(models.BPE(unk_token="<unk>"))
+    trainer.pre_tokenizer = metaspace_pre
+    trainer.train_from_iterator([ALICE.read_text()], trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>"],
+                                                                          show_progress=False))
+    trained = json.loads(trainer.to_str())["model"]
+    specials = ["<unk>", "<s>", "</s>"]
+    pieces = specials + ([f"<0x{b:02X}>" for b in range(256)] if byte_fallback else [])
+    pieces += [p for p, _ in sorted(trained["vocab"].items(), key=lambda kv: kv[1]) if p not in pieces]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
+    tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=merges, unk_token="<unk>",
+                               byte_fallback=byte_fallback))
+    tok.pre_tokenizer = metaspace_pre
+    if metaspace:
+        tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    else:
+        steps = [decoders.Replace("▁", " ")] + [decoders.ByteFallback()] * byte_fallback + [decoders.Fuse()]
+        tok.decoder = decoders.Sequence(steps + [decoders.Strip(content=" ", left=1)] * strip)
+    tok.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   clean_up_tokenization_spaces=False)
+
+
+SENTENCEPIECE = {"llama": {}, "gemma": {"strip": False}, "no-byte-fallback": {"byte_fallback": False},
+                 "metaspace": {"metaspace": True, "byte_fallback": False}}
+
+
+@pytest.fixture(scope="module", params=list(SENTENCEPIECE))
+def sp_tokenizer(request):
+    return sentencepiece_tokenizer(**SENTENCEPIECE[request.param])
+
+
+def test_sentencepiece_table_matches_the_tokenizer(sp_tokenizer):
+    table = token_bytes_table(sp_tokenizer, True)
+    assert table is not None and len(table.pieces) == len(sp_tokenizer)
+    stripped = sp_tokenizer.decode(sp_tokenizer.encode("hello there"))[:1] != " "
+    assert table.first_as_is is not stripped  # the first token keeps its space only without a Strip rule
+    ids = sp_tokenizer.encode(SAMPLE, add_special_tokens=False)
+    joined = b"".join(table.pieces[t] for t in ids).decode()
+    if "<0xE6>" in sp_tokenizer.get_vocab():
+        assert joined == " " + SAMPLE  # "▁" marks the first word too; byte pieces spell what the vocabulary lacks
+    assert sp_tokenizer.decode(ids, skip_special_tokens=True) == (joined[1:] if stripped else joined)
+    assert table.pieces[sp_tokenizer.bos_token_id] == b""
+    assert token_bytes_table(sp_tokenizer, False).pieces[sp_tokenizer.bos_token_id] == b"<s>"
+
+
+def _valid_sequences(tokenizer, count: int, length: int) -> list[list[int]]:
+    """Random word pieces mixed with whole runs of a text's byte pieces (valid UTF-8 throughout)."""
+    rng = random.Random(1)
+    words = tokenizer.encode(SAMPLE, add_special_tokens=False)
+    plain = [i for i, p in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
+             if not p.startswith("<")]
+    out = []
+    for _ in range(count):
+        ids = []
+        while len(ids) < length:
+            start = rng.randrange(len(words))
+            ids += words[start:start + rng.randint(1, 6)] if rng.random() < 0.4 else [rng.choice(plain)]
+        out.append(ids)
+    return out
+
+
+def _complete_runs(tokenizer, ids: list[int]) -> list[int]:
+    """Drop byte pieces that do not form whole characters (a run cut by the random slicing)."""
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    kept, run = [], []
+    for t, p in zip(ids, pieces):
+        if p.startswith("<0x"):
+            run.append(t)
+            continue
+        if run and tokenizer.decode(run).count("\ufffd") == 0:
+            kept += run
+        run = []
+        kept.append(t)
+    return kept
+
+
+@pytest.mark.parametrize("prompt_text", ["Alice said", ""])
+def test_sentencepiece_fast_path_streams_the_whole_decode(sp_tokenizer, monkeypatch, prompt_text):
+    """Streamed text = the decode of context + output minus the context's, chunk by chunk; a prompt with
+    no text (only BOS) keeps the window where the first output token's leading space is dropped."""
+    prompt = [sp_tokenizer.bos_token_id] + sp_tokenizer.encode(prompt_text, add_special_tokens=False)
+    table = token_bytes_table(sp_tokenizer, True)
+    for seq in _valid_sequences(sp_tokenizer, 30, 30):
+        output = _complete_runs(sp_tokenizer, seq)
+        context = prompt[-5:]
+        want = sp_tokenizer.decode(context + output, skip_special_tokens=True)[
+            len(sp_tokenizer.decode(context, skip_special_tokens=True)):]
+        for chunk in (1, 4):
+            detok = IncrementalDetokenizer(sp_tokenizer, prompt)
+            assert (detok._token_bytes is not None) == (table.first_as_is or bool(prompt_text))
+            streamed = "".join(detok.add_tokens(output[i:i + chunk]) for i in range(0, len(output), chunk))
+            assert streamed == detok.text == want
+
+
+def test_sentencepiece_stop_strings_match_the_general_path(monkeypatch):
+    tokenizer = sentencepiece_tokenizer()
+    ids = tokenizer.encode(SAMPLE, add_special_tokens=False)
+    prompt = tokenizer.encode("Say it:")
+
+    def stream(stop, fast):
+        detok = IncrementalDetokenizer(tokenizer, prompt, stop)
+        assert (detok._token_bytes is not None) == fast
+        for t in ids:
+            detok.add_tokens([t])
+        return detok.text, detok.stopped
+
+    stops = [[], ["タワ"], ["fin."], ["very tired"]]
+    fast = [stream(stop, True) for stop in stops]
+    _general_path(monkeypatch)
+    assert fast == [stream(stop, False) for stop in stops]
+    assert fast[1] == (" " + SAMPLE[:SAMPLE.index("タワ")], True)  # the output's first word keeps its space
+    assert fast[3] == (" " + SAMPLE[:SAMPLE.index("very tired")], True)
+
+
+def test_sentencepiece_invalid_bytes_become_replacement_characters():
+    """A stray byte piece (no whole character) is written as U+FFFD, never dropped or raised on."""
+    tokenizer = sentencepiece_tokenizer()
+    vocab = tokenizer.get_vocab()
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Alice"))
+    text = "".join(detok.add_tokens([t]) for t in [vocab["<0xE6>"], vocab["<0x9D>"], vocab["▁the"],
+                                                     vocab["<0xFF>"], vocab["▁the"]])
+    assert text == "\ufffd the\ufffd the"
