@@ -1,10 +1,12 @@
 """`kvserve bench spec`: speculative decoding against plain decoding, same process, same weights.
 
-Workloads (greedy, chat-templated): ``grounded`` asks to repeat, lightly edit or summarise a given
-passage or code block (where n-gram lookup shines); ``open`` asks open-ended questions; ``code``
-asks for code completions (for a draft model of the same family). Each is run
+Workloads (chat-templated; greedy unless --temperature is given): ``grounded`` asks to repeat,
+lightly edit or summarise a given passage or code block (where n-gram lookup shines); ``open`` asks
+open-ended questions; ``code`` asks for code completions (for a draft model of the same family).
+Each is run
 at every ``--concurrency`` through a plain engine and a speculative one, and the output tokens/s,
-their ratio, the acceptance rate and the mean tokens per verifying step are reported.
+their ratio, the acceptance rate and the mean tokens per verifying step are reported. Greedy
+outputs must be identical; sampled ones follow the same distribution but not the same draws.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ def prompts_for(workload: str, tokenizer, count: int) -> list[str]:
             for r in raw]
 
 
-def measure(llm, prompts: list[str], max_tokens: int) -> dict:
+def measure(llm, prompts: list[str], max_tokens: int, sampling: dict | None = None) -> dict:
+    """Output tokens/s of ``prompts`` (and speculation's statistics); ``sampling``: SamplingParams
+    fields (temperature, top_p, top_k), greedy if None."""
     from kvserve import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    params = SamplingParams(max_tokens=max_tokens, **(sampling or {"temperature": 0}))
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
     spec = llm.engine.core.spec
     before = (spec.stats.proposed, spec.stats.accepted, spec.stats.verified_requests, spec.stats.emitted) if spec else None
@@ -51,30 +55,34 @@ def measure(llm, prompts: list[str], max_tokens: int) -> dict:
 
 
 def run(args) -> int:
-    from kvserve import LLM
+    from kvserve import LLM, SamplingParams
     from kvserve.entrypoints.cli import engine_kwargs
 
     base = engine_kwargs(args)
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    SamplingParams(**sampling)  # a bad value is an error before any model loads
     plain_opts = {**base, "speculative_method": None}
     spec_opts = {**base, "speculative_method": args.speculative_method or "ngram"}
     plain, fast = LLM(**plain_opts), LLM(**spec_opts)
     rows = []
     for c in args.concurrency:
         prompts = prompts_for(args.workload, plain.get_tokenizer(), c)
-        a, b = measure(plain, prompts, args.max_tokens), measure(fast, prompts, args.max_tokens)
+        a, b = measure(plain, prompts, args.max_tokens, sampling), measure(fast, prompts, args.max_tokens, sampling)
+        identical = a["token_ids"] == b["token_ids"] if args.temperature == 0 else None  # sampled: other draws
         rows.append({"concurrency": c, "plain_tokens_per_s": a["tokens_per_s"], "spec_tokens_per_s": b["tokens_per_s"],
-                     "speedup": b["tokens_per_s"] / a["tokens_per_s"], "identical": a["token_ids"] == b["token_ids"],
+                     "speedup": b["tokens_per_s"] / a["tokens_per_s"], "identical": identical,
                      **{k: b[k] for k in ("acceptance_rate", "mean_tokens_per_step", "proposed") if k in b}})
     if args.json:
         print(json.dumps({"workload": args.workload, "method": spec_opts["speculative_method"],
-                          "k": args.num_speculative_tokens, "results": rows}, indent=2))
+                          "k": args.num_speculative_tokens, "sampling": sampling, "results": rows}, indent=2))
         return 0
     print(f"workload {args.workload}, method {spec_opts['speculative_method']}, k={args.num_speculative_tokens}, "
-          f"dtype {args.dtype}")
+          f"dtype {args.dtype}, temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}")
     for r in rows:
         print(f"  concurrency {r['concurrency']:3d}: plain {r['plain_tokens_per_s']:7.1f} tok/s, spec "
               f"{r['spec_tokens_per_s']:7.1f} tok/s, x{r['speedup']:.2f}, acceptance {r.get('acceptance_rate', 0):.2f}, "
-              f"tokens/step {r.get('mean_tokens_per_step', 0):.2f}, identical {r['identical']}")
+              f"tokens/step {r.get('mean_tokens_per_step', 0):.2f}, identical "
+              f"{'n/a (sampled)' if r['identical'] is None else r['identical']}")
     return 0
 
 
@@ -86,5 +94,8 @@ def add_parser(bench_sub) -> None:
     p.add_argument("--workload", choices=["grounded", "open", "code"], default="grounded")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
+    p.add_argument("--top-k", type=int, default=0, help="top-k sampling (0: off)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)

@@ -14,7 +14,7 @@ from kvserve.config import EngineConfig, ModelConfig
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.model.attention.backend import get_backend
 from kvserve.model.loader import load_model, resolve_model_path
-from kvserve.sample.sampler import draw, filtered_probs, seeded_generator
+from kvserve.sample.sampler import draw, row_probs, seeded_generator
 from kvserve.scheduler.output import ScheduledRequest
 from kvserve.spec_decode.proposer import Proposal, register_proposer
 from kvserve.types import Request, SamplingParams
@@ -73,7 +73,7 @@ class DraftModelProposer:
         params: SamplingParams = r.sampling_params
         if params.greedy:
             return int(logits.argmax()), None
-        q = filtered_probs(logits.float()[None], [params])[0].cpu()
+        q = row_probs(logits[None], [params])[0].cpu()
         if q.shape[0] < self.target_vocab:
             q = torch.cat([q, q.new_zeros(self.target_vocab - q.shape[0])])
         seed = params.seed if params.seed is not None else 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.sample.sampler import argmax_rows, draw, filtered_probs, seeded_generator
+from kvserve.sample.sampler import draw, seeded_generator
 from kvserve.types import SamplingParams
 
 _VERIFY_SEED_OFFSET = 7919  # verification's stream apart from the sampler's at the same position
@@ -27,23 +27,24 @@ def _generator(params: SamplingParams, step: int, fallback: torch.Generator) -> 
     return seeded_generator(params.seed, step + _VERIFY_SEED_OFFSET)
 
 
-def verify(logits: torch.Tensor, proposed: list[int], params: SamplingParams, num_generated: int,
-           fallback: torch.Generator, draft_probs: torch.Tensor | None = None) -> list[int]:
-    """logits [k + 1, V] for positions that predict proposed[0..k-1] and one more.
+def verify_greedy(target: list[int], proposed: list[int]) -> list[int]:
+    """``target``: the target model's argmax at the k + 1 positions that predict proposed[0..k-1] and
+    one more. Returns the emitted tokens: the accepted proposals plus the target's own (1..k+1)."""
+    out = []
+    for guess, best in zip(proposed, target):
+        if guess != best:
+            break
+        out.append(guess)
+    return out + [target[len(out)]]
 
-    Returns the emitted tokens: the accepted proposals plus one token from the target (1..k+1).
+
+def verify_sampled(probs: torch.Tensor, proposed: list[int], params: SamplingParams, num_generated: int,
+                   fallback: torch.Generator, draft_probs: torch.Tensor | None = None) -> list[int]:
+    """``probs`` [k + 1, V]: the target's distributions at those positions (sampler.row_probs).
+
+    Returns the emitted tokens, as verify_greedy does.
     """
-    if params.greedy:
-        # argmax_rows: the C++ kernel on the CPU (first index on ties, as argmax); torch's argmax took
-        # 16.8 ms a step for 32 requests x 5 positions of a 49K vocabulary, this 0.8
-        target = argmax_rows(logits).tolist()
-        out = []
-        for guess, best in zip(proposed, target):
-            if guess != best:
-                break
-            out.append(guess)
-        return out + [target[len(out)]]
-    probs = filtered_probs(logits.float(), [params] * logits.shape[0]).cpu()
+    probs = probs.cpu()
     out = []
     for j, guess in enumerate(proposed):
         gen = _generator(params, num_generated + j, fallback)

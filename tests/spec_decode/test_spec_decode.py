@@ -10,7 +10,10 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import SpeculativeConfig
+from kvserve.sample import sampler as sampler_module
+from kvserve.sample.sampler import filtered_probs, row_probs
 from kvserve.spec_decode.ngram import ngram_lookup
+from kvserve.spec_decode.verify import verify_sampled
 from tests.conftest import TINY_VOCAB, assert_no_leak, make_tiny_model
 
 
@@ -117,6 +120,27 @@ def _chi_square_p(a: Counter, b: Counter) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
 
 
+@pytest.mark.parametrize("filters", [{}, {"min_p": 0.2}, {"top_k": 4, "top_p": 0.9}],
+                         ids=lambda f: "-".join(f"{k}{v}" for k, v in f.items()) or "none")
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_ngram_verification_emits_the_filtered_distribution(filters, path, monkeypatch):
+    """One proposal checked against one position: the emitted token is distributed as the target's
+    filtered, renormalised distribution, whether the guess is likely, unlikely or filtered out."""
+    if path == "torch":
+        monkeypatch.setattr(sampler_module, "load_kernels", lambda: None)
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.2, -1.0, 0.5]).expand(2, 6).contiguous()
+    params = SamplingParams(temperature=1.0, **filters)
+    probs = row_probs(logits, [params] * 2)
+    want = filtered_probs(logits[:1], [params])[0]
+    want = want / want.sum()
+    assert torch.allclose(probs[0], want, atol=1e-6)
+    gen, n = torch.Generator().manual_seed(0), 8000
+    for guess in (0, 1, 4):
+        counts = Counter(verify_sampled(probs, [guess], params, 0, gen)[0] for _ in range(n))
+        freq = torch.tensor([counts[t] / n for t in range(6)])
+        assert (freq - want).abs().max() < 0.02, (guess, freq, want)  # ~3.5 sigma; min-p's unnormalised p was 0.04 off
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_sampling_distribution_unchanged(peaky, method):
@@ -145,3 +169,26 @@ def test_sampling_distribution_unchanged(peaky, method):
     for pos in (0, 1, 2, 3):  # tokens decided by verification, not by the first plain sample
         p = _chi_square_p(Counter(o.token_ids[pos] for o in plain), Counter(o.token_ids[pos] for o in fast))
         assert p > 0.01, f"position {pos}: chi-square p = {p:.4f}"
+
+
+@pytest.mark.parametrize("sampling", [[], ["--temperature", "0.8", "--top-p", "0.9", "--top-k", "20"]],
+                         ids=["greedy", "sampled"])
+def test_bench_spec_runs_greedy_and_sampled(tmp_path_factory, capsys, sampling):
+    """`kvserve bench spec`: greedy outputs must match; sampled ones are reported as not comparable."""
+    import json
+
+    from kvserve.entrypoints.cli import build_parser
+
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny-chat-spec"), "LlamaForCausalLM")
+    config_file = path / "tokenizer_config.json"
+    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "chat_template": template}))
+    args = build_parser().parse_args(["bench", "spec", "--model", str(path), "--dtype", "float32", "--block-size", "8",
+                                      "--num-kv-blocks", "512", "--concurrency", "2", "--max-tokens", "8", "--json",
+                                      *sampling])
+    assert args.func(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    row = report["results"][0]
+    assert row["identical"] is (None if sampling else True)
+    assert report["sampling"]["temperature"] == (0.8 if sampling else 0.0)
+    assert row["plain_tokens_per_s"] > 0 and row["spec_tokens_per_s"] > 0

@@ -256,3 +256,30 @@ def test_temperature_kernel_edges_and_masked_tokens():
     assert kernel_samples(logits, params, torch.zeros(3)).tolist() == [3, 39, 10]
     for u in (torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)), torch.tensor(1.0)):
         assert kernel_samples(logits, params, u.expand(3)).tolist() == [33, 39, 39]
+
+
+@pytest.mark.parametrize("filters", _FILTERS, ids=lambda f: "-".join(f"{k}{v}" for k, v in f.items()) or "none")
+@pytest.mark.parametrize("case", ["f32-37", "bf16-1000", "f32-49152-peaked", "f32-49152-flat"])
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_row_probs_is_the_filtered_distribution(filters, case, path, monkeypatch):
+    """Speculative verification's distributions: the kernel keeps exactly filtered_probs' tokens, with
+    their probabilities; greedy rows put everything on the argmax."""
+    if path == "kernel" and load_kernels() is None:
+        pytest.skip("no C++ kernels here")
+    if path == "torch":
+        monkeypatch.setattr(sampler_module, "load_kernels", lambda: None)
+    vocab = int(case.split("-")[1])
+    if case.startswith("bf16"):
+        logits = _distinct_bf16(vocab, vocab)
+    else:
+        scale = 0.3 if case.endswith("flat") else 3.0
+        logits = torch.randn(vocab, generator=torch.Generator().manual_seed(vocab)) * scale
+    params = [SamplingParams(temperature=t, **filters) for t in (0.6, 1.0, 1.7)] + [SamplingParams(temperature=0.0)]
+    got = sampler_module.row_probs(logits.expand(len(params), vocab).contiguous(), params)
+    want = filtered_probs(logits.float().expand(3, vocab), params[:3])
+    want = want / want.sum(-1, keepdim=True)  # min-p masks after the softmax
+    assert got.dtype == torch.float32 and got.shape == (len(params), vocab)
+    assert torch.equal(got[:3] > 0, want > 1e-30)
+    assert torch.allclose(got[:3], want, rtol=1e-4, atol=1e-9)
+    assert torch.allclose(got.sum(-1).double(), torch.ones(len(params), dtype=torch.float64), atol=1e-5)
+    assert torch.equal(got[3], torch.nn.functional.one_hot(logits.float().argmax(), vocab).float())

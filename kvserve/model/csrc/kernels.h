@@ -72,6 +72,8 @@ at::Tensor silu_mul(const at::Tensor& x);
 at::Tensor argmax_rows(const at::Tensor& x);
 at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperatures, const at::Tensor& uniforms,
                        const c10::optional<at::Tensor>& filters);
+at::Tensor filtered_probs(const at::Tensor& x, const at::Tensor& temperatures,
+                          const c10::optional<at::Tensor>& filters);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> row_logprobs(const at::Tensor& x, const at::Tensor& rows,
                                                             const at::Tensor& targets, int64_t num_top);
 

@@ -13,6 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "index of each row's largest value, first on ties (CPU)", no_gil);
   m.def("sample_rows", &sample_rows, "sampling by inverse CDF, one uniform number per row, with optional top-k/top-p/min-p (CPU)",
         py::arg("x"), py::arg("temperatures"), py::arg("uniforms"), py::arg("filters") = py::none(), no_gil);
+  m.def("filtered_probs", &filtered_probs, "the normalised distributions sample_rows draws from, [rows, vocab] float32 (CPU)",
+        py::arg("x"), py::arg("temperatures"), py::arg("filters") = py::none(), no_gil);
   m.def("row_logprobs", &row_logprobs, "log-softmax at each row's target and its largest values (CPU)", no_gil);
   m.def("quant_linear", &quant_linear, "weight-only int8/int4 linear (CPU)", no_gil);
   m.def("dequantize", &dequantize, "dequantize an int8/int4 weight (CPU)", no_gil);

@@ -458,13 +458,22 @@ float top_k_bound(const float* w, int64_t width, int64_t k) {
   return std::numeric_limits<float>::denorm_min();
 }
 
-// One row's token under top-k, then top-p over the top-k's renormalised weights, then min-p, as
-// sampler.py's filtered_probs defines them, by inverse CDF over the kept tokens in index order (as
-// sample_from_probs). Only candidates are ranked: tokens above a weight that every kept one reaches.
-// For top-p that is (1 - top_p) x total / vocabulary (all tokens below it together weigh less than
-// the 1 - top_p that the nucleus leaves out; halved against rounding), for top-k top_k_bound, and
-// min_p (relative to the best's weight, 1) where it does not change the mass top-p is taken of.
-int64_t pick_filtered(int64_t width, double total, float u, const RowFilter& f, SampleScratch& s) {
+// The tokens a row's filters keep: top-k, then top-p over the top-k's renormalised weights, then min-p,
+// as sampler.py's filtered_probs defines them. Only candidates are ranked: tokens above a weight that
+// every kept one reaches. For top-p that is (1 - top_p) x total / vocabulary (all tokens below it
+// together weigh less than the 1 - top_p that the nucleus leaves out; halved against rounding), for
+// top-k top_k_bound, and min_p (relative to the best's weight, 1) where it does not change the mass
+// top-p is taken of. The candidates are s.candidates[0, n), in index order.
+struct Kept {
+  int64_t n = 0;
+  Cut cut;
+  float min_p = 0.f;
+  bool operator()(const float* w, int32_t j) const {
+    return w[j] >= min_p && (cut.all || !ranks_before(cut.w, cut.index, w[j], j));
+  }
+};
+
+Kept filter_tokens(int64_t width, double total, const RowFilter& f, SampleScratch& s) {
   const float* w = s.w.data();
   const bool use_k = f.top_k > 0 && f.top_k < width, use_p = f.top_p < 1.f;
   float lower = f.min_p;
@@ -498,17 +507,30 @@ int64_t pick_filtered(int64_t width, double total, float u, const RowFilter& f, 
     const Cut nucleus = find_cut(w, cand, n, 0, static_cast<double>(f.top_p) * of, s);
     if (cut.all || (!nucleus.all && ranks_before(nucleus.w, nucleus.index, cut.w, cut.index))) cut = nucleus;
   }
-  const auto kept = [&](int32_t j) { return w[j] >= f.min_p && (cut.all || !ranks_before(cut.w, cut.index, w[j], j)); };
+  return Kept{n, cut, f.min_p};
+}
+
+bool is_filtered(const RowFilter* filters, int64_t r, int64_t width) {
+  return filters != nullptr && ((filters[r].top_k > 0 && filters[r].top_k < width) || filters[r].top_p < 1.f ||
+                                filters[r].min_p > 0.f);
+}
+
+// One row's token among those its filters keep, by inverse CDF over them in index order (as
+// sample_from_probs).
+int64_t pick_filtered(int64_t width, double total, float u, const RowFilter& f, SampleScratch& s) {
+  const Kept kept = filter_tokens(width, total, f, s);
+  const float* w = s.w.data();
+  const int32_t* cand = s.candidates.data();
   double kept_total = 0.0;
-  for (int64_t e = 0; e < n; ++e)
-    if (kept(cand[e])) kept_total += w[cand[e]];
+  for (int64_t e = 0; e < kept.n; ++e)
+    if (kept(w, cand[e])) kept_total += w[cand[e]];
   double target = static_cast<double>(u) * kept_total;
   if (target >= kept_total) target = std::nextafter(kept_total, 0.0);
   double before = 0.0;
   int64_t last = -1;
-  for (int64_t e = 0; e < n; ++e) {
+  for (int64_t e = 0; e < kept.n; ++e) {
     const int32_t j = cand[e];
-    if (!kept(j)) continue;
+    if (!kept(w, j)) continue;
     before += w[j];
     last = j;
     if (before > target) return j;
@@ -532,12 +554,45 @@ void sample_rows_typed(const at::Tensor& x, const float* temperatures, const flo
       }
       const float mx = row_max(row, width);
       const double total = row_weights(row, width, static_cast<float>(1.4426950408889634 / temperatures[r]), mx, s);
-      const bool filtered = filters != nullptr && ((filters[r].top_k > 0 && filters[r].top_k < width) ||
-                                                   filters[r].top_p < 1.f || filters[r].min_p > 0.f);
-      int64_t token = filtered ? pick_filtered(width, total, uniforms[r], filters[r], s)
-                               : pick_in_blocks(s, width, total, uniforms[r]);
+      int64_t token = is_filtered(filters, r, width) ? pick_filtered(width, total, uniforms[r], filters[r], s)
+                                                     : pick_in_blocks(s, width, total, uniforms[r]);
       if (token < 0) token = argmax_row(row, width);  // unreachable unless every weight rounded away
       out[r] = token;
+    }
+  });
+}
+
+// Row r's whole distribution as sample_rows draws from it, normalised, into out [rows, width] float:
+// the kept tokens' weights over their sum, 0 elsewhere; temperature 0 puts all on the argmax.
+template <typename T>
+void filtered_probs_typed(const at::Tensor& x, const float* temperatures, const RowFilter* filters, float* out) {
+  const int64_t rows = x.size(0), width = x.size(1);
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    SampleScratch s;
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* row = x.data_ptr<T>() + r * x.stride(0);
+      float* o = out + r * width;
+      if (temperatures[r] == 0.f) {
+        std::fill(o, o + width, 0.f);
+        o[argmax_row(row, width)] = 1.f;
+        continue;
+      }
+      const float mx = row_max(row, width);
+      const double total = row_weights(row, width, static_cast<float>(1.4426950408889634 / temperatures[r]), mx, s);
+      const float* w = s.w.data();
+      if (!is_filtered(filters, r, width)) {
+        const float scale = static_cast<float>(1.0 / total);
+        for (int64_t j = 0; j < width; ++j) o[j] = w[j] * scale;
+        continue;
+      }
+      const Kept kept = filter_tokens(width, total, filters[r], s);
+      const int32_t* cand = s.candidates.data();
+      double kept_total = 0.0;
+      for (int64_t e = 0; e < kept.n; ++e)
+        if (kept(w, cand[e])) kept_total += w[cand[e]];
+      std::fill(o, o + width, 0.f);
+      for (int64_t e = 0; e < kept.n; ++e)
+        if (kept(w, cand[e])) o[cand[e]] = static_cast<float>(w[cand[e]] / kept_total);
     }
   });
 }
@@ -645,22 +700,14 @@ at::Tensor silu_mul(const at::Tensor& x) {
   return out;
 }
 
-// Sampling of logits [rows, vocab] in one call: row r's token from softmax(x_r / temperatures[r]) at
-// uniforms[r] in [0, 1] by inverse CDF, as sampler.py's sample_from_probs(filtered_probs(...)), and
-// without their float copy, softmax, sort or cumsum over the vocabulary; temperature 0 takes the
-// row's argmax. With `filters` ([rows, 3] float32: top_k, top_p, min_p per row, SamplingParams'
-// values) each row keeps only the tokens those leave. Engine's sampler per step at 32 rows of
-// SmolLM2's 49K vocabulary (Zen 5, two threads), torch -> here: temperature alone 1.9-2.3 -> 0.5-0.9
-// ms; top-p 0.95 8.9-9.2 -> 0.7; top-k 40 5.7-5.9 -> 0.7; min-p 3.6-3.7 -> 0.55.
-at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperatures, const at::Tensor& uniforms,
-                       const c10::optional<at::Tensor>& filters) {
+// sample_rows' and filtered_probs' checks: logits [rows, vocab], one float32 temperature (>= 0) per
+// row, and each row's filters ([rows, 3] float32: top_k, top_p, min_p) if given.
+static std::vector<RowFilter> row_filters(const at::Tensor& x, const at::Tensor& temps,
+                                          const c10::optional<at::Tensor>& filters) {
   check_cpu(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "expected logits [rows, vocab]");
   TORCH_CHECK(x.size(1) < (int64_t{1} << 31), "rows longer than 2^31 values");
-  TORCH_CHECK(temperatures.scalar_type() == at::kFloat && uniforms.scalar_type() == at::kFloat &&
-                  temperatures.numel() == x.size(0) && uniforms.numel() == x.size(0),
-              "one float32 temperature and uniform number per row");
-  const at::Tensor temps = temperatures.contiguous(), u = uniforms.contiguous();
+  TORCH_CHECK(temps.scalar_type() == at::kFloat && temps.numel() == x.size(0), "one float32 temperature per row");
   TORCH_CHECK(temps.ge(0).all().item<bool>(), "temperatures must be >= 0");
   std::vector<RowFilter> rows;
   if (filters.has_value()) {
@@ -673,10 +720,39 @@ at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperatures, cons
       rows.push_back(RowFilter{static_cast<int64_t>(p[0]), p[1], p[2]});
     }
   }
+  return rows;
+}
+
+// Sampling of logits [rows, vocab] in one call: row r's token from softmax(x_r / temperatures[r]) at
+// uniforms[r] in [0, 1] by inverse CDF, as sampler.py's sample_from_probs(filtered_probs(...)), and
+// without their float copy, softmax, sort or cumsum over the vocabulary; temperature 0 takes the
+// row's argmax. With `filters` ([rows, 3] float32: top_k, top_p, min_p per row, SamplingParams'
+// values) each row keeps only the tokens those leave. Engine's sampler per step at 32 rows of
+// SmolLM2's 49K vocabulary (Zen 5, two threads), torch -> here: temperature alone 1.9-2.3 -> 0.5-0.9
+// ms; top-p 0.95 8.9-9.2 -> 0.7; top-k 40 5.7-5.9 -> 0.7; min-p 3.6-3.7 -> 0.55.
+at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperatures, const at::Tensor& uniforms,
+                       const c10::optional<at::Tensor>& filters) {
+  const at::Tensor temps = temperatures.contiguous(), u = uniforms.contiguous();
+  const std::vector<RowFilter> rows = row_filters(x, temps, filters);
+  TORCH_CHECK(u.scalar_type() == at::kFloat && u.numel() == x.size(0), "one float32 uniform number per row");
   at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
   KVSERVE_DISPATCH(x.scalar_type(), T,
                    sample_rows_typed<T>(x, temps.data_ptr<float>(), u.data_ptr<float>(),
                                         rows.empty() ? nullptr : rows.data(), out.data_ptr<int64_t>()));
+  return out;
+}
+
+// The distributions sample_rows draws from, [rows, vocab] float32 (sampler.py's filtered_probs, which
+// takes torch's topk, softmax and cumsum over a float copy): for speculative verification, which
+// reads p at the proposed tokens and draws from what rejection leaves.
+at::Tensor filtered_probs(const at::Tensor& x, const at::Tensor& temperatures,
+                          const c10::optional<at::Tensor>& filters) {
+  const at::Tensor temps = temperatures.contiguous();
+  const std::vector<RowFilter> rows = row_filters(x, temps, filters);
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options().dtype(at::kFloat));
+  KVSERVE_DISPATCH(x.scalar_type(), T,
+                   filtered_probs_typed<T>(x, temps.data_ptr<float>(), rows.empty() ? nullptr : rows.data(),
+                                           out.data_ptr<float>()));
   return out;
 }
 
