@@ -22,7 +22,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
     if name not in _DTYPES:
-        raise ValueError(f"dtype={name!r} is not supported; choose one of {sorted(_DTYPES)}")
+        raise ValueError(f"dtype={name!r} is not supported; choose one of {sorted(_DTYPES)} or 'auto'")
     return _DTYPES[name]
 
 
@@ -229,7 +229,9 @@ class EngineConfig:
     """Everything the engine needs; built by `LLM` or the server from user options."""
 
     model: str | None = None
-    dtype: str = "float32"
+    # "auto": what the checkpoint and the device suit (model/loader.py auto_dtype); EngineCore
+    # replaces it with the name it resolves to before anything reads torch_dtype.
+    dtype: str = "auto"
     seed: int = 0
     device: str = "cpu"
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -243,7 +245,8 @@ class EngineConfig:
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
-        parse_dtype(self.dtype)
+        if self.dtype != "auto":
+            parse_dtype(self.dtype)
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device={self.device!r} must be 'cpu' or 'cuda[:N]'")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -251,4 +254,6 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            raise RuntimeError("dtype='auto' is resolved when the engine loads the model (EngineCore)")
         return parse_dtype(self.dtype)

@@ -5,6 +5,7 @@ It knows token ids only; text (tokenizing, detokenizing, stop strings) is the fr
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from kvserve.config import EngineConfig, ModelConfig
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.kv_cache.sizing import kv_bytes_per_token, kv_element_bytes, num_kv_blocks_for_budget
 from kvserve.model.attention.backend import get_backend
-from kvserve.model.loader import load_model, resolve_model_path
+from kvserve.model.loader import auto_dtype, load_model, resolve_model_path
 from kvserve.model.quant.registry import describe_quantization, weight_bytes
 from kvserve.scheduler.output import SchedulerOutput
 from kvserve.scheduler.scheduler import Scheduler
@@ -85,9 +86,12 @@ def size_kv_cache(config: EngineConfig, model: ModelConfig) -> KVCacheInfo:
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         self.model_path = resolve_model_path(config.model)
         device = torch.device(config.device)
+        if config.dtype == "auto":
+            config = dataclasses.replace(config, dtype=auto_dtype(self.model_path, device))
+            log.info("dtype: %s (auto)", config.dtype)
+        self.config = config
         if device.type == "cpu":
             keep_freed_memory()  # large per-step tensors reuse heap memory: see worker/allocator.py
         model, self.model_config = load_model(self.model_path, config.torch_dtype, device,

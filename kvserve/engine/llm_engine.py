@@ -47,9 +47,9 @@ class _Tracked:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         self.threads = configure_threads()  # torch threads for this process: see worker/threads.py
         self.core = EngineCore(config)
+        self.config = self.core.config  # dtype "auto" resolved
         self.tokenizer = load_tokenizer(self.core.model_path)
         token_bytes_table(self.tokenizer, True)  # built (and checked) at load, not in the first request
         self._tracked: dict[str, _Tracked] = {}

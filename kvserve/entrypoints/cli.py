@@ -11,7 +11,9 @@ from kvserve.config import CUDA_TOKEN_BUDGET, SCHEDULING_POLICIES, SchedulerConf
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine options shared by every command that loads a model (mirrors `LLM(...)`)."""
     p.add_argument("--model", default=None, help="HF model folder or .gguf file (default: bundled SmolLM2-135M)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto (default): bfloat16 for a 16-bit or GGUF checkpoint where the device computes it "
+                        "natively, else float32")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=float, default=1.0, help="KV-cache budget in GiB")

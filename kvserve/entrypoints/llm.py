@@ -39,7 +39,7 @@ _SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "speculative": 
              "quant": QuantConfig}
 
 
-def engine_config(model: str | None = None, dtype: str = "float32", seed: int = 0, device: str = "cpu",
+def engine_config(model: str | None = None, dtype: str = "auto", seed: int = 0, device: str = "cpu",
                   attention_backend: str = "auto", enforce_eager: bool = False, **options) -> EngineConfig:
     """The EngineConfig for flat options (see _OPTIONS); `kvserve serve` builds its engine the same way.
 
@@ -64,6 +64,8 @@ class LLM:
     """Load a model once, then generate for many prompts with continuous batching.
 
     ``model`` is a Hugging Face folder, a .gguf file, or None for the bundled SmolLM2-135M-Instruct.
+    ``dtype``: "auto" (bfloat16 for a 16-bit or GGUF checkpoint where the device computes it
+    natively, else float32; see model/loader.py auto_dtype), "float32", "bfloat16" or "float16".
     Options (defaults in kvserve/config.py): block_size=16, num_kv_blocks=None (size the pool from
     kv_cache_memory_bytes=1 GiB), enable_prefix_caching=True, max_num_seqs=64,
     max_num_batched_tokens=None (1024 on the CPU, 8192 on CUDA), max_model_len=None,
@@ -74,7 +76,7 @@ class LLM:
     kv_cache_dtype="auto" ("int8", "fp8").
     """
 
-    def __init__(self, model: str | None = None, dtype: str = "float32", seed: int = 0, device: str = "cpu",
+    def __init__(self, model: str | None = None, dtype: str = "auto", seed: int = 0, device: str = "cpu",
                  **options) -> None:
         self.engine = LLMEngine(engine_config(model, dtype, seed, device, **options))
         self._ids = itertools.count()

@@ -57,7 +57,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="model folder (config.json), .gguf file, or a known name (default: the bundled model)")
     _add_hardware_args(p)
     p.add_argument("--dtype", default="auto", help="weight dtype: float32, bfloat16, float16 "
-                   "(auto: bfloat16 on GPUs, float32 for --gpu local on a CPU, as the engine runs)")
+                   "(auto: bfloat16 on GPUs and on a local CPU with the bf16 kernels, else float32, as the "
+                   "engine runs a 16-bit checkpoint)")
     p.add_argument("--quantization", type=_csv, default=["none"], help=f"weights: {', '.join(QUANT_SCHEMES)}")
     p.add_argument("--kv-cache-dtype", type=_csv, default=["auto"], help="auto (= dtype), bfloat16, fp8, int8...")
     p.add_argument("--context", type=parse_tokens, default=4096, help="tokens per user, e.g. 4096 or 16K")
@@ -87,14 +88,20 @@ def _add_hardware_args(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_dtype(dtype: str, gpu: str) -> str:
-    """'auto' picks what the engine would run: float32 on a CPU, bfloat16 on an accelerator."""
+    """'auto' picks what the engine's "auto" runs a 16-bit checkpoint in: bfloat16 on an accelerator
+    or a CPU with the bf16 kernels (AVX512-BF16 / AMX), else float32."""
     if dtype != "auto":
         return canonical_dtype(dtype)
     if gpu != "local":
         return "bfloat16"
     import torch
 
-    return "bfloat16" if torch.cuda.is_available() else "float32"
+    if torch.cuda.is_available():
+        return "bfloat16"
+    from kvserve.model.cpu_kernels import load_kernels
+
+    kernels = load_kernels()
+    return "bfloat16" if kernels is not None and kernels.packed_linear_supported() else "float32"
 
 
 def build_hardware(gpu: str | None, dtype: str, args: argparse.Namespace) -> Hardware:

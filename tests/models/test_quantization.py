@@ -31,7 +31,7 @@ def _tokens(llm, prompts, params=GREEDY) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def dequantized():
     """The default model with its GGUF blocks dequantized to float32 (quantization="none")."""
-    return LLM(quantization="none", kv_cache_memory_bytes=64 * 2**20)
+    return LLM(dtype="float32", quantization="none", kv_cache_memory_bytes=64 * 2**20)
 
 
 def test_native_gguf_matches_dequantized(default_llm, dequantized):

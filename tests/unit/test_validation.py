@@ -68,3 +68,27 @@ def test_quantization_group_size_options():
         QuantConfig("int8", 48)
     with pytest.raises(ValueError, match="needs quantization"):
         QuantConfig(None, 32)
+
+
+def test_auto_dtype_follows_the_checkpoint_and_the_cpu(tmp_path, tiny_llama):
+    """dtype="auto": a float32 checkpoint stays float32; a bfloat16 one (or a GGUF file) runs in
+    bfloat16 where the CPU has the bf16 kernels, else float32. EngineCore hands the resolved name on."""
+    import torch
+
+    from kvserve.config import EngineConfig
+    from kvserve.model.cpu_kernels import load_kernels
+    from kvserve.model.loader import auto_dtype, resolve_model_path
+    from tests.conftest import make_tiny_model
+
+    kernels = load_kernels()
+    native = "bfloat16" if kernels is not None and kernels.packed_linear_supported() else "float32"
+    cpu = torch.device("cpu")
+    assert auto_dtype(tiny_llama, cpu) == "float32"
+    bf16 = make_tiny_model(tmp_path / "bf16", "LlamaForCausalLM", dtype=torch.bfloat16)
+    assert auto_dtype(bf16, cpu) == native
+    assert auto_dtype(resolve_model_path(None), cpu) == native  # the bundled GGUF file
+    llm = LLM(model=str(bf16), num_kv_blocks=16)
+    assert llm.engine.config.dtype == native and llm.engine.core.config.dtype == native
+    assert LLM(model=str(tiny_llama), num_kv_blocks=16).engine.config.dtype == "float32"
+    with pytest.raises(RuntimeError, match="auto"):
+        EngineConfig(dtype="auto").torch_dtype
