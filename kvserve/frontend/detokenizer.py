@@ -45,7 +45,7 @@ class IncrementalDetokenizer:
         # Text that starts with the output (no prompt text before it) keeps the window: its first token
         # may decode differently from its bytes (SentencePiece drops the leading space there).
         self._token_bytes = None
-        if table is not None and (table.first_as_is or any(table.pieces[t] for t in context)):
+        if table is not None and (table.first_as_is or any(table.pieces[t] for t in context if t < len(table.pieces))):
             self._token_bytes = table.pieces
             self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
             return
@@ -59,8 +59,12 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         if self._token_bytes is not None:
-            table = self._token_bytes
-            data = table[token_ids[0]] if len(token_ids) == 1 else b"".join(table[t] for t in token_ids)
+            # An id past the tokenizer's vocabulary (a model's padded rows) decodes to nothing, as in the Rust decode.
+            table, n = self._token_bytes, len(self._token_bytes)
+            if len(token_ids) == 1:
+                data = table[token_ids[0]] if token_ids[0] < n else b""
+            else:
+                data = b"".join(table[t] for t in token_ids if t < n)
             delta = self._utf8.decode(data)
             return self._append(delta) if delta else ""
         self._ids.extend(token_ids)

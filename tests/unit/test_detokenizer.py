@@ -244,3 +244,21 @@ def test_sentencepiece_invalid_bytes_become_replacement_characters():
     text = "".join(detok.add_tokens([t]) for t in [vocab["<0xE6>"], vocab["<0x9D>"], vocab["▁the"],
                                                      vocab["<0xFF>"], vocab["▁the"]])
     assert text == "\ufffd the\ufffd the"
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+def test_ids_past_the_tokenizer_vocabulary_decode_to_nothing(tokenizer, kind, monkeypatch):
+    """A model's vocabulary may be padded past its tokenizer's: such ids write no text on either path,
+    as the tokenizer's own decode skips them, and the text around them is unchanged."""
+    tok = tokenizer if kind == "byte-level" else sentencepiece_tokenizer()
+    prompt = tok.encode("Say it:", add_special_tokens=False)
+    ids = tok.encode(" hello there", add_special_tokens=False)
+    beyond = len(tok) + 7
+    want = tok.decode(ids, skip_special_tokens=True) if kind == "byte-level" else " hello there"
+    for fast in (True, False):
+        if not fast:
+            _general_path(monkeypatch)
+        detok = IncrementalDetokenizer(tok, prompt + [beyond])
+        assert (detok._token_bytes is not None) == fast
+        text = detok.add_tokens([ids[0], beyond]) + "".join(detok.add_tokens([t]) for t in ids[1:] + [beyond])
+        assert text == want
