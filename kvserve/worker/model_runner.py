@@ -122,7 +122,7 @@ class ModelRunner:
         probs = {}
         if sampled:
             at = torch.tensor([p for j in sampled for p in ranges[j]], device=self.device)
-            dists = row_probs(logits[at], [chosen[j].sampling_params for j in sampled for _ in ranges[j]])
+            dists = row_probs(logits[at], [chosen[j].sampling_params for j in sampled for _ in ranges[j]]).cpu()
             offsets = itertools.accumulate((len(ranges[j]) for j in sampled), initial=0)
             probs = {j: dists[o:o + len(ranges[j])] for j, o in zip(sampled, offsets)}
         out = {}
