@@ -80,6 +80,12 @@ def load_kernels() -> ModuleType | None:
         return None
 
 
+def cpu_has_native_bf16() -> bool:
+    """This CPU runs the C++ kernels' bf16 paths (AVX512-BF16 or AMX): what dtype "auto" asks."""
+    kernels = load_kernels()
+    return kernels is not None and kernels.packed_linear_supported()
+
+
 def _staged_sources(build_dir: Path) -> tuple[list[str], str]:
     """Copies of the sources and headers in the build directory (written only if they differ), so the
     paths torch's extension loader sees do not depend on where kvserve is installed: it keys its

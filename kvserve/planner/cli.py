@@ -98,10 +98,9 @@ def resolve_dtype(dtype: str, gpu: str) -> str:
 
     if torch.cuda.is_available():
         return "bfloat16"
-    from kvserve.model.cpu_kernels import load_kernels
+    from kvserve.model.cpu_kernels import cpu_has_native_bf16
 
-    kernels = load_kernels()
-    return "bfloat16" if kernels is not None and kernels.packed_linear_supported() else "float32"
+    return "bfloat16" if cpu_has_native_bf16() else "float32"
 
 
 def build_hardware(gpu: str | None, dtype: str, args: argparse.Namespace) -> Hardware:
