@@ -86,6 +86,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, int64_t m
 at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
                       const c10::optional<at::Tensor>& factors, int64_t group, int64_t bits, at::ScalarType dtype);
 bool has_amx();
+bool has_int8_activations();  // few-row int4/int8 kernels quantize bf16/fp16 x to int8 (AVX512-VNNI)
 
 // layers/csrc/packed_linear.cpp: dense bf16 W in the AMX tile layout [N / 16, K / 32, 16, 32];
 // gated: W = [W_gate; W_up], packed so that the kernel can also write SiLU(gate) * up [M, N / 2].

@@ -20,6 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "dequantize an int8/int4 weight (CPU)", no_gil);
   m.def("dense_linear", &dense_linear, "x W^T for a dense bf16 weight that is not packed: fused loop for a few rows, else at::mm (CPU)", no_gil);
   m.def("has_amx", &has_amx, "AMX tiles usable in this process");
+  m.def("has_int8_activations", &has_int8_activations,
+        "few-row int4/int8 linears quantize bf16/fp16 x to int8 per 32 inputs (AVX512-VNNI); else x stays float");
   m.def("packed_linear_supported", &packed_linear_supported, "the packed bf16 weight layout is usable here (AVX512-BF16)");
   m.def("pack_bf16_weight", &pack_bf16_weight, "a bf16 [N, K] weight in the AMX tile layout, for AMX or AVX512-BF16 (CPU)", py::arg("weight"),
         py::arg("gated") = false, no_gil);

@@ -7,8 +7,13 @@
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+// AVX2 + FMA + F16C without AVX-512 (AMD Zen 1-3, Intel before Skylake-SP): 8-lane versions of the
+// hot loops. A CPU with AVX-512 takes the 16-lane code instead.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#define KVSERVE_AVX2 1
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define KVSERVE_BF16 1  // bf16 dot products in vector registers (vdpbf16ps)
@@ -134,6 +139,69 @@ inline void transpose16(__m512i r[16]) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 #endif
+
+#if defined(KVSERVE_AVX2)
+// 8 values as float32, whatever the dtype in memory (bf16: the high half of a float32).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// float32 -> bf16 bits (round to nearest even) in the high halves; finite values only.
+inline __m256i bf16_bits8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  return _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+}
+// v rounded to bf16, as float32.
+inline __m256 round8_bf16(__m256 v) {
+  return _mm256_castsi256_ps(_mm256_and_si256(bf16_bits8(v), _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u))));
+}
+// 8 values stored in the dtype (bf16 and float16 rounded to nearest even).
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i h = _mm256_srli_epi32(bf16_bits8(v), 16);  // 0..65535 in each int32 lane
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+inline void store8(c10::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x) for x <= 0 to about 2e-7 relative (elementwise.cpp's exp_nonpositive, 8 lanes): 2^n * p(r).
+inline __m256 exp8_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-06f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+// x / (1 + exp(-x)) for 8 values, exp only of non-positive arguments (no overflow); a true division.
+inline __m256 silu8(__m256 x) {
+  const __m256 zero = _mm256_setzero_ps();
+  const __m256 e = exp8_nonpositive(_mm256_min_ps(x, _mm256_sub_ps(zero, x)));  // exp(-|x|)
+  const __m256 num = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), _mm256_cmp_ps(x, zero, _CMP_LE_OQ));
+  return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+}
+#endif  // KVSERVE_AVX2
 
 #if defined(KVSERVE_AMX)
 inline bool amx_ready() {  // Linux hands out the AMX register state only on request (once per process)

@@ -24,7 +24,7 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(KVSERVE_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -411,6 +411,104 @@ void decode_vec(const T* q, const Elem* k_base, const Elem* v_base, int64_t num_
 }
 #endif
 
+#if defined(KVSERVE_AVX2)
+// AVX2 (8 lanes), a dense cache (float32 / bf16 / float16 rows, the query's dtype), head_dim a
+// multiple of 16: one online-softmax pass over the keys and values, 8 tokens at a time, for one kv
+// head and its `group` query heads. The scalar two-pass kernel above it replaces took 3.2 ms a
+// layer for 32 sequences of 256 tokens (bf16, Zen 3).
+constexpr int kChunk8 = 8;
+
+// Lane t = the sum of v[t]'s 8 lanes.
+inline __m256 sum8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+struct Scratch8 {
+  simd::aligned_vector<float> q, acc, p;  // [group, D] scaled query, [group, D] weighted values, [group, 8] weights
+  std::vector<float> m, l;                 // [group] running max and sum of weights
+  Scratch8(int64_t group, int64_t head_dim) : q(group * head_dim), acc(group * head_dim), p(group * kChunk8), m(group), l(group) {}
+};
+
+template <int kD, typename T>
+void decode_avx2(const T* q, const T* k_base, const T* v_base, int64_t num_kv_heads, const int64_t* table,
+                 int64_t seq_len, int64_t block_size, int64_t head, int64_t group, int64_t head_dim, float scale,
+                 T* out, Scratch8& s) {
+  const int64_t D = kD ? kD : head_dim;
+  for (int64_t i = 0; i < group * D; ++i) s.q[i] = to_float(q[i]) * scale;
+  std::fill(s.acc.begin(), s.acc.begin() + group * D, 0.f);
+  std::fill(s.m.begin(), s.m.end(), -std::numeric_limits<float>::infinity());
+  std::fill(s.l.begin(), s.l.end(), 0.f);
+  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  int64_t blk = 0, off = 0;  // the block-table walk: token `start` is at (table[blk], off)
+  for (int64_t start = 0; start < seq_len; start += kChunk8) {
+    const int n = static_cast<int>(std::min<int64_t>(kChunk8, seq_len - start));
+    int64_t rows[kChunk8];
+    for (int t = 0; t < n; ++t) {
+      rows[t] = ((table[blk] * block_size + off) * num_kv_heads + head) * D;
+      if (++off == block_size) off = 0, ++blk;
+    }
+    const __m256 valid = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = &s.q[g * D];
+      __m256 part[kChunk8];
+      for (int t = 0; t < kChunk8; ++t) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        if (t < n) {
+          const T* kr = k_base + rows[t];
+          for (int64_t d = 0; d < D; d += 16) {
+            a0 = _mm256_fmadd_ps(simd::load8(kr + d), _mm256_load_ps(qg + d), a0);
+            a1 = _mm256_fmadd_ps(simd::load8(kr + d + 8), _mm256_load_ps(qg + d + 8), a1);
+          }
+        }
+        part[t] = _mm256_add_ps(a0, a1);
+      }
+      const __m256 sc = _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()), sum8(part), valid);
+      const float mx = simd::hmax8(sc);
+      float alpha = 1.f;
+      if (mx > s.m[g]) {
+        alpha = std::exp(s.m[g] - mx);  // 0 on the first chunk (m = -inf)
+        s.m[g] = mx;
+      }
+      const __m256 p = _mm256_and_ps(simd::exp8_nonpositive(_mm256_sub_ps(sc, _mm256_set1_ps(s.m[g]))), valid);
+      s.l[g] = s.l[g] * alpha + simd::hsum8(p);
+      _mm256_store_ps(&s.p[g * kChunk8], p);
+      if (alpha != 1.f) {
+        const __m256 va = _mm256_set1_ps(alpha);
+        for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(&s.acc[g * D + d], _mm256_mul_ps(_mm256_load_ps(&s.acc[g * D + d]), va));
+      }
+    }
+    // acc[g] += sum_t p[g][t] v[t]: 16 dims of up to four query heads at a time, each value row
+    // loaded (and converted) once for all of them.
+    for (int64_t g0 = 0; g0 < group; g0 += 4) {
+      const int gb = static_cast<int>(std::min<int64_t>(4, group - g0));
+      for (int64_t d = 0; d < D; d += 16) {
+        __m256 a[4][2];
+        for (int j = 0; j < gb; ++j)
+          a[j][0] = _mm256_load_ps(&s.acc[(g0 + j) * D + d]), a[j][1] = _mm256_load_ps(&s.acc[(g0 + j) * D + d + 8]);
+        for (int t = 0; t < n; ++t) {
+          const T* vr = v_base + rows[t] + d;
+          const __m256 v0 = simd::load8(vr), v1 = simd::load8(vr + 8);
+          for (int j = 0; j < gb; ++j) {
+            const __m256 w = _mm256_set1_ps(s.p[(g0 + j) * kChunk8 + t]);
+            a[j][0] = _mm256_fmadd_ps(w, v0, a[j][0]);
+            a[j][1] = _mm256_fmadd_ps(w, v1, a[j][1]);
+          }
+        }
+        for (int j = 0; j < gb; ++j)
+          _mm256_store_ps(&s.acc[(g0 + j) * D + d], a[j][0]), _mm256_store_ps(&s.acc[(g0 + j) * D + d + 8], a[j][1]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = seq_len > 0 ? 1.f / s.l[g] : 0.f;
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<T>(s.acc[g * D + d] * inv);
+  }
+}
+#endif  // KVSERVE_AVX2
+
 #if defined(__AVX512BF16__)
 // bf16 cache and query, head_dim kD = 64 or 128 (the common case): both products on vdpbf16ps.
 // q.k as in decode_vec; p.V pairs two tokens per instruction: their value rows are interleaved
@@ -685,6 +783,23 @@ void run(const at::Tensor& q, const Rows& k_rows, const Rows& v_rows, int64_t bl
         const int64_t offset = (b * num_heads + h0 * group) * head_dim;
         f(qp + offset, k_rows.base, v_rows.base, num_kv_heads, bt + b * width, sl[b], block_size, h0, per_task, group,
           head_dim, static_cast<float>(scale), op + offset, s);
+      }
+      return;
+    }
+#endif
+#if defined(KVSERVE_AVX2)
+    if (std::is_same_v<Rows, DenseRows<T>> && head_dim % 16 == 0) {  // a dense cache in the query's dtype
+      Scratch8 s(group, head_dim);
+      auto* f = head_dim == 64 ? decode_avx2<64, T> : head_dim == 128 ? decode_avx2<128, T> : decode_avx2<0, T>;
+      const T* kb = reinterpret_cast<const T*>(k_rows.base);
+      const T* vb = reinterpret_cast<const T*>(v_rows.base);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = i / tasks_per_seq;
+        for (int64_t h = i % tasks_per_seq * per_task; h < (i % tasks_per_seq + 1) * per_task; ++h) {
+          const int64_t offset = (b * num_heads + h * group) * head_dim;
+          f(qp + offset, kb, vb, num_kv_heads, bt + b * width, sl[b], block_size, h, group, head_dim,
+            static_cast<float>(scale), op + offset, s);
+        }
       }
       return;
     }

@@ -13,7 +13,7 @@
 at::Tensor LinearSpec::apply(const at::Tensor& x) const {
   at::Tensor y;
   if (kind == kPacked) y = packed_linear(x, weight, out_features, gated, false);
-  else if (kind == kDense && x.size(0) <= max_fused_rows) y = dense_linear(x, weight, max_fused_rows);
+  else if (kind == kDense) y = dense_linear(x, weight, max_fused_rows);
   else if (kind == kQuant) y = quant_linear(x, weight, *scales, zeros, factors, group, bits, max_fused_rows,
                                             max_amx_rows, tile_bytes);
   else y = at::linear(x, weight);

@@ -27,13 +27,14 @@
 #include <algorithm>
 #include <cstring>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(KVSERVE_AVX2)
 #include <immintrin.h>
 #endif
 
 namespace {
 
 constexpr int kFusedRows = 4;  // rows of x that share one pass over the weights
+constexpr int64_t kDenseTileBytes = int64_t{1} << 20;  // dense_tiled's float32 tile of W
 
 struct QuantWeight {
   const uint8_t* data;
@@ -51,6 +52,8 @@ inline void half_to_float(const c10::Half* src, int64_t count, float* dst) {
 #if defined(__AVX512F__)
   for (; i + 16 <= count; i += 16)
     _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#elif defined(KVSERVE_AVX2)
+  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(dst + i, simd::load8(src + i));
 #endif
   for (; i < count; ++i) dst[i] = static_cast<float>(src[i]);
 }
@@ -149,6 +152,78 @@ void fused_rows(const QuantWeight& w, const int32_t* group_of, const float* x, i
       y[m * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]), _mm512_add_ps(acc[2][m], acc[3][m])));
   }
 }
+#elif defined(KVSERVE_AVX2)
+// The same with 8 lanes (AVX2 + FMA): chunk c of a row dequantized into v[0..3] = values 0-7, 8-15,
+// 16-23 and 24-31 of the chunk; g0 / g1 the groups of its two halves.
+template <int BITS>
+inline void dequant_chunk(const uint8_t* row, int64_t c, const float* params, int64_t groups, int64_t g0, int64_t g1,
+                          __m256 v[4]) {
+  if (BITS == 16) {  // a dense bf16 row
+    const c10::BFloat16* r = reinterpret_cast<const c10::BFloat16*>(row) + c * 32;
+    for (int i = 0; i < 4; ++i) v[i] = simd::load8(r + 8 * i);
+    return;
+  }
+  __m256i q[4];
+  if (BITS == 4) {  // byte j: value j in its low nibble, value 16 + j in its high one
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 16));
+    const __m256i a0 = _mm256_cvtepu8_epi32(b), a1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+    const __m256i m15 = _mm256_set1_epi32(15);
+    q[0] = _mm256_and_si256(a0, m15), q[1] = _mm256_and_si256(a1, m15);
+    q[2] = _mm256_srli_epi32(a0, 4), q[3] = _mm256_srli_epi32(a1, 4);
+  } else {
+    const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 32));
+    const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 32 + 16));
+    q[0] = _mm256_cvtepi8_epi32(b0), q[1] = _mm256_cvtepi8_epi32(_mm_srli_si128(b0, 8));
+    q[2] = _mm256_cvtepi8_epi32(b1), q[3] = _mm256_cvtepi8_epi32(_mm_srli_si128(b1, 8));
+  }
+  const __m256 s0 = _mm256_set1_ps(params[g0]), z0 = _mm256_set1_ps(params[groups + g0]);
+  const __m256 s1 = _mm256_set1_ps(params[g1]), z1 = _mm256_set1_ps(params[groups + g1]);
+  v[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[0]), s0, z0);
+  v[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[1]), s0, z0);
+  v[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[2]), s1, z1);
+  v[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[3]), s1, z1);
+}
+
+// Four independent chains per row of x for one or two rows (an FMA's latency is four cycles), two for
+// more (the accumulators and a chunk of W fill the 16 registers).
+template <int BITS, int MB>
+void fused_rows(const QuantWeight& w, const int32_t* group_of, const float* x, int64_t ldx, int64_t n0, int64_t n1,
+                float* y, int64_t ldy) {
+  constexpr int kChains = MB <= 2 ? 4 : 2;
+  const int64_t groups = w.groups(), chunks = w.k / 32;
+  std::vector<float> params(2 * groups);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w.data + n * w.row_bytes(BITS);
+    if (BITS != 16) row_params(w, n, params.data());
+    __m256 acc[kChains][MB];
+    for (int j = 0; j < kChains; ++j)
+      for (int m = 0; m < MB; ++m) acc[j][m] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m256 v[4];
+      dequant_chunk<BITS>(row, c, params.data(), groups, group_of[2 * c], group_of[2 * c + 1], v);
+      for (int m = 0; m < MB; ++m) {
+        const float* xm = x + m * ldx + c * 32;
+        for (int i = 0; i < 4; ++i) acc[i % kChains][m] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xm + 8 * i), acc[i % kChains][m]);
+      }
+    }
+    if (w.k % 32) {  // int8 rows ending in half a chunk (groups of 16)
+      const int64_t k = chunks * 32, g = group_of[2 * chunks];
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
+      const __m256 s = _mm256_set1_ps(params[g]), z = _mm256_set1_ps(params[groups + g]);
+      const __m256 lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), s, z);
+      const __m256 hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))), s, z);
+      for (int m = 0; m < MB; ++m) {
+        acc[0][m] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + m * ldx + k), acc[0][m]);
+        acc[1][m] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + m * ldx + k + 8), acc[1][m]);
+      }
+    }
+    for (int m = 0; m < MB; ++m) {
+      __m256 sum = acc[0][m];
+      for (int j = 1; j < kChains; ++j) sum = _mm256_add_ps(sum, acc[j][m]);
+      y[m * ldy + n] = simd::hsum8(sum);
+    }
+  }
+}
 #endif
 
 // Value k of row `row` (int4 values are 0..15, int8 values -128..127, BITS 16: a dense bf16 weight).
@@ -189,7 +264,7 @@ void fused_rows_scalar(const QuantWeight& w, const float* x, int64_t ldx, int64_
 template <int BITS>
 void fused_block(const QuantWeight& w, const int32_t* group_of, const float* x, int64_t ldx, int64_t mb, int64_t n0,
                  int64_t n1, float* y, int64_t ldy) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(KVSERVE_AVX2)
   if (w.group % 16 == 0) {
     with_few_rows(mb, [&](auto r) { fused_rows<BITS, decltype(r)::value>(w, group_of, x, ldx, n0, n1, y, ldy); });
     return;
@@ -594,6 +669,19 @@ void dequant_rows(const QuantWeight& w, int64_t n0, int64_t n1, T* out) {
         }
         store16(dst + k, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), sv, zv));
       }
+#elif defined(KVSERVE_AVX2)
+      const __m256 sv = _mm256_set1_ps(s), zv = _mm256_set1_ps(z);
+      for (; k % 8 == 0 && k + 8 <= k_end; k += 8) {  // 8 values: a quarter of a 32-value chunk
+        __m256i v;
+        if (BITS == 4) {
+          const int64_t j = k % 32;
+          v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + (k / 32) * 16 + j % 16)));
+          v = j >= 16 ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15));
+        } else {
+          v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k)));
+        }
+        simd::store8(dst + k, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), sv, zv));
+      }
 #endif
       for (; k < k_end; ++k) dst[k] = static_cast<T>(value_at<BITS>(row, k) * s + z);
     }
@@ -779,9 +867,28 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   return bits == 4 ? tiled_any<4>(w, x, tile_bytes) : tiled_any<8>(w, x, tile_bytes);
 }
 
+// y = x W^T with W [N, K] bf16 on a CPU without bf16 arithmetic: W converted to float32 a tile of
+// rows at a time (tile_bytes of float32, which stay in L2 while at::mm reads them) and multiplied in
+// float32. oneDNN's bf16 matmul on an AVX2 CPU (Zen 3) ran at 15-16 GFLOP/s, MKL's sgemm at 65-105.
+at::Tensor dense_tiled(const at::Tensor& x, const at::Tensor& weight, int64_t tile_bytes) {
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const at::Tensor x32 = x.to(at::kFloat);
+  const int64_t tile = std::min(n, std::max<int64_t>(16, tile_bytes / (k * 4)));
+  at::Tensor buf = at::empty({tile, k}, x32.options());
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  for (int64_t n0 = 0; n0 < n; n0 += tile) {
+    const int64_t rows = std::min(tile, n - n0);
+    at::Tensor w32 = buf.narrow(0, 0, rows);
+    w32.copy_(weight.narrow(0, n0, rows));
+    y.narrow(1, n0, rows).copy_(at::mm(x32, w32.t()));
+  }
+  return y;
+}
+
 // y = x W^T for a dense bf16 W [N, K] (K a multiple of 32) where the packed copy is not available (a
 // CPU without AVX512-BF16; with it every such W is packed, layers/csrc/packed_linear.cpp): up to
-// max_fused_rows rows of x the fused loop (W read once per kFusedRows rows), beyond that at::mm.
+// max_fused_rows rows of x the fused loop (W read once per kFusedRows rows), beyond that float32
+// tiles of W and at::mm.
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, int64_t max_fused_rows) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] matrix");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16,
@@ -790,7 +897,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, int64_t m
   TORCH_CHECK(x.size(1) == k && k % 32 == 0, "x has ", x.size(1), " features, the weight ", k, " (a multiple of 32)");
   const QuantWeight w{static_cast<const uint8_t*>(weight.data_ptr()), nullptr, nullptr, nullptr, n, k, k};
   if (x.size(0) <= max_fused_rows) return fused<16>(w, x);
-  return at::mm(x, weight.t().to(x.scalar_type()));
+  return dense_tiled(x, weight, kDenseTileBytes);
 }
 
 // The dense [N, K] weight in `dtype` (tests and the embedding lookup use it).
@@ -808,6 +915,14 @@ at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const
                    : dequant_rows<c10::Half, 8>(w, a, b, out.data_ptr<c10::Half>() + a * w.k);
   });
   return out;
+}
+
+bool has_int8_activations() {
+#if defined(KVSERVE_VNNI)
+  return true;
+#else
+  return false;
+#endif
 }
 
 bool has_amx() {
