@@ -7,10 +7,12 @@ The build is keyed by the sources' hash, this CPU's instruction-set flags (it is
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import platform
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -71,19 +73,35 @@ def load_kernels() -> ModuleType | None:
     build_dir = cache_dir() / "kernels" / digest
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        sources, include = _staged_sources(build_dir)
-        return cpp_extension.load(
-            name=f"kvserve_kernels_{digest}", sources=sources, build_directory=str(build_dir),
-            extra_cflags=cflags, extra_ldflags=_OPENMP, extra_include_paths=[include], verbose=False)
+        with _build_lock(build_dir):
+            sources, include = _staged_sources(build_dir)
+            return cpp_extension.load(
+                name=f"kvserve_kernels_{digest}", sources=sources, build_directory=str(build_dir),
+                extra_cflags=cflags, extra_ldflags=_OPENMP, extra_include_paths=[include], verbose=False)
     except Exception as e:  # no compiler, no ninja, odd platform: the PyTorch path still works
         log.warning("kvserve: C++ CPU kernels unavailable (%s); using the PyTorch path", e)
         return None
 
 
+@contextmanager
+def _build_lock(build_dir: Path):
+    """Holds an flock on the build directory, which the kernel releases when its holder dies. torch's
+    own lock is a plain file that a build stopped midway (Ctrl-C, a killed server) leaves behind, and
+    every later start then waited for it forever; while we hold the flock nobody else is building
+    here, so such a file is stale and is removed."""
+    with open(build_dir / "kvserve.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def cpu_has_native_bf16() -> bool:
     """This CPU runs the C++ kernels' bf16 paths (AVX512-BF16 or AMX): what dtype "auto" asks."""
     kernels = load_kernels()
-    return kernels is not None and kernels.packed_linear_supported()
+    return kernels is not None and kernels.native_bf16()
 
 
 def _staged_sources(build_dir: Path) -> tuple[list[str], str]:

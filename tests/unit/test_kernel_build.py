@@ -26,6 +26,30 @@ def test_sources_are_staged_in_the_build_directory_and_rewritten_only_when_chang
     assert all(p.stat().st_mtime_ns == t for p, t in first.items() if p.name != "simd.h")
 
 
+def test_a_build_stopped_midway_does_not_block_the_next(tmp_path):
+    """torch's lock file, left by a build that was killed, is removed once we hold our own flock; a
+    second holder waits for the first (the flock serialises builds of one directory)."""
+    import fcntl
+    import threading
+
+    (tmp_path / "lock").touch()  # what a killed build leaves behind
+    with cpu_kernels._build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        got_in = threading.Event()
+
+        def second():
+            with cpu_kernels._build_lock(tmp_path):
+                got_in.set()
+
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        assert not got_in.wait(0.3)  # blocked while we hold it
+    waiter.join(5)
+    assert got_in.is_set()
+    with open(tmp_path / "kvserve.lock") as handle:  # released: free to take
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
 @pytest.mark.parametrize("vendor, family, flags", [
     ("GenuineIntel", 6, []),
     ("AuthenticAMD", 25, ["-DKVSERVE_AMD"]),                        # Zen 3 / Zen 4

@@ -14,7 +14,7 @@ from kvserve.model.quant.methods import load_quant_kernels
 def _kernels():
     kernels = load_quant_kernels()
     if kernels is None or not kernels.packed_linear_supported():
-        pytest.skip("no AVX512-BF16 here: dense bf16 weights are not packed")
+        pytest.skip("neither AVX512-BF16 nor AVX2 here: dense bf16 weights are not packed")
     return kernels
 
 
@@ -41,11 +41,18 @@ def test_packed_linear_matches_torch(n, k, rows):
 def test_packed_layout_holds_the_weight_tile_by_tile():
     kernels = _kernels()
     w = torch.arange(40 * 64, dtype=torch.float32).reshape(40, 64).bfloat16()
-    packed = kernels.pack_bf16_weight(w)  # [strip, chunk, input pair, 2 * channel + which of the pair]
-    for n, kk in [(0, 0), (1, 0), (0, 1), (17, 33), (39, 63)]:
-        s, j, c, r, e = n // 16, n % 16, kk // 32, kk % 32 // 2, kk % 2
-        assert packed[s, c, r, 2 * j + e] == w[n, kk]
-    assert torch.all(packed[2, :, :, 16:] == 0)  # channels 40-47 do not exist: zero padding
+    packed = kernels.pack_bf16_weight(w)
+    if kernels.native_bf16():  # AMX tiles: [strip, chunk, input pair, 2 * channel + which of the pair]
+        for n, kk in [(0, 0), (1, 0), (0, 1), (17, 33), (39, 63)]:
+            s, j, c, r, e = n // 16, n % 16, kk // 32, kk % 32 // 2, kk % 2
+            assert packed[s, c, r, 2 * j + e] == w[n, kk]
+        assert torch.all(packed[2, :, :, 16:] == 0)  # channels 40-47 do not exist: zero padding
+    else:  # AVX2: [strip, input, position], channels 4-7 and 8-11 swapped (one unpack each half)
+        strips = packed.view(3, 64, 16)
+        position = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]  # of channel j
+        for n, kk in [(0, 0), (1, 0), (0, 1), (5, 2), (9, 7), (17, 33), (39, 63)]:
+            assert strips[n // 16, kk, position[n % 16]] == w[n, kk]
+        assert torch.all(strips[2, :, [position[j] for j in range(8, 16)]] == 0)  # channels 40-47: zero padding
 
 
 def test_packed_rows_do_not_depend_on_the_batch():
@@ -56,7 +63,8 @@ def test_packed_rows_do_not_depend_on_the_batch():
     x = torch.randn(70, 576).bfloat16()
     packed = kernels.pack_bf16_weight(w)
     full = kernels.packed_linear(x, packed, 96)
-    for rows in (5, 17, 32, 47):
+    few = (1, 2, 3, 4) if not kernels.native_bf16() else ()  # AVX2: the few-row path sums in the same order too
+    for rows in (*few, 5, 17, 32, 47):
         assert torch.equal(kernels.packed_linear(x[:rows].contiguous(), packed, 96), full[:rows])
 
 

@@ -187,14 +187,15 @@ def test_logprob_kernel_matches_torch_log_softmax(dtype, vocab, monkeypatch):
     got = sampler_module.token_logprobs(logits, tokens, num_top)
     monkeypatch.setattr(sampler_module, "load_kernels", lambda: None)
     want = sampler_module.token_logprobs(logits, tokens, num_top)
-    ref = logits.float().log_softmax(-1)
+    # float64: torch's float32 log_softmax itself is 1e-5 off over 49K logits on some CPUs (AVX2)
+    ref = logits.double().log_softmax(-1)
     for row, (g, w) in enumerate(zip(got, want)):
         if w is None:
             assert g is None
             continue
         assert g.token_id == w.token_id
         assert g.logprob == pytest.approx(ref[row, tokens[row]].item(), abs=1e-5) or g.logprob == w.logprob == -math.inf
-        assert [v for _, v in g.top] == pytest.approx([v for _, v in w.top], abs=1e-5)
+        assert [v for _, v in g.top] == pytest.approx([v for _, v in w.top], abs=3e-5)
         values = [v for _, v in g.top]
         assert values == sorted(values, reverse=True)
         for token, value in g.top:  # each pair is that token's logprob, whichever tie the order chose

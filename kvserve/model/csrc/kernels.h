@@ -90,7 +90,8 @@ bool has_int8_activations();  // few-row int4/int8 kernels quantize bf16/fp16 x 
 
 // layers/csrc/packed_linear.cpp: dense bf16 W in the AMX tile layout [N / 16, K / 32, 16, 32];
 // gated: W = [W_gate; W_up], packed so that the kernel can also write SiLU(gate) * up [M, N / 2].
-bool packed_linear_supported();
+bool packed_linear_supported();  // AVX512-BF16 (or AMX), or AVX2 + FMA with float32 products
+bool native_bf16();              // bf16 products in hardware (AVX512-BF16 / AMX): what dtype "auto" asks
 at::Tensor pack_bf16_weight(const at::Tensor& weight, bool gated);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool gated, bool silu_mul);
 

@@ -22,8 +22,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_amx", &has_amx, "AMX tiles usable in this process");
   m.def("has_int8_activations", &has_int8_activations,
         "few-row int4/int8 linears quantize bf16/fp16 x to int8 per 32 inputs (AVX512-VNNI); else x stays float");
-  m.def("packed_linear_supported", &packed_linear_supported, "the packed bf16 weight layout is usable here (AVX512-BF16)");
-  m.def("pack_bf16_weight", &pack_bf16_weight, "a bf16 [N, K] weight in the AMX tile layout, for AMX or AVX512-BF16 (CPU)", py::arg("weight"),
+  m.def("packed_linear_supported", &packed_linear_supported,
+        "the packed bf16 weight layout is usable here (AVX512-BF16, or AVX2 + FMA with float32 products)");
+  m.def("native_bf16", &native_bf16, "this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX)");
+  m.def("pack_bf16_weight", &pack_bf16_weight, "a bf16 [N, K] weight in the packed layout: AMX tiles (AMX, AVX512-BF16) or K-major strips (AVX2) (CPU)", py::arg("weight"),
         py::arg("gated") = false, no_gil);
   m.def("packed_linear", &packed_linear,
         "x W^T for a weight from pack_bf16_weight, or SiLU(gate) * up of it (silu_mul, a gated weight) (CPU)",

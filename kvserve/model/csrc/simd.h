@@ -194,6 +194,18 @@ inline __m256 exp8_nonpositive(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
 }
 
+// 2^x for -126 <= x <= 0 (exp2_ps's polynomial, 8 lanes): 2^n by the exponent bits, n = round(x).
+inline __m256 exp2_8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, n);
+  __m256 p = _mm256_set1_ps(1.5403530e-4f);
+  for (const float c : {1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.f})
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
 // x / (1 + exp(-x)) for 8 values, exp only of non-positive arguments (no overflow); a true division.
 inline __m256 silu8(__m256 x) {
   const __m256 zero = _mm256_setzero_ps();
@@ -201,6 +213,9 @@ inline __m256 silu8(__m256 x) {
   const __m256 num = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), _mm256_cmp_ps(x, zero, _CMP_LE_OQ));
   return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.f), e));
 }
+// silu_mul's bf16 arithmetic for 8 values of gate and up (bf16 values as float32): SiLU(gate) rounded
+// to bf16, times up (then rounded by the store).
+inline __m256 silu_mul8_bf16(__m256 gate, __m256 up) { return _mm256_mul_ps(round8_bf16(silu8(gate)), up); }
 #endif  // KVSERVE_AVX2
 
 #if defined(KVSERVE_AMX)

@@ -21,7 +21,7 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(KVSERVE_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -225,6 +225,15 @@ at::Tensor silu_mul_typed(const at::Tensor& x) {
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), simd::silu_mul16_bf16(load16(gate + i), load16(up + i)));
       }
       for (; i + kVec <= width; i += kVec) store16(dst + i, _mm512_mul_ps(round16<T>(silu16(load16(gate + i))), load16(up + i)));
+#elif defined(KVSERVE_AVX2)
+      // bf16: the packed linear's SiLU * up epilogue (simd::silu_mul8_bf16) computes the same bits
+      for (; i + 8 <= width; i += 8) {
+        const __m256 g = simd::silu8(simd::load8(gate + i));
+        __m256 rg = g;
+        if constexpr (std::is_same_v<T, c10::BFloat16>) rg = simd::round8_bf16(g);
+        else if constexpr (std::is_same_v<T, c10::Half>) rg = _mm256_cvtph_ps(_mm256_cvtps_ph(g, _MM_FROUND_TO_NEAREST_INT));
+        simd::store8(dst + i, _mm256_mul_ps(rg, simd::load8(up + i)));
+      }
 #endif
       for (; i < width; ++i) store(dst, i, round_to<T>(silu(load(gate, i))) * load(up, i));
     }
@@ -256,6 +265,26 @@ int64_t argmax_row(const T* row, int64_t width) {
     _mm512_store_ps(m, lane_max);
     _mm512_store_si512(at, lane_idx);
     for (int l = 0; l < kVec; ++l) {
+      if (m[l] > best || (m[l] == best && at[l] < best_i)) best = m[l], best_i = at[l];
+    }
+  }
+#elif defined(KVSERVE_AVX2)
+  if (width >= 8) {  // as above, 8 lanes
+    __m256 lane_max = _mm256_set1_ps(-INFINITY);
+    __m256i lane_idx = _mm256_setzero_si256(), idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i step = _mm256_set1_epi32(8);
+    for (; i + 8 <= width; i += 8) {
+      const __m256 v = simd::load8(row + i);
+      const __m256 greater = _mm256_cmp_ps(v, lane_max, _CMP_GT_OQ);
+      lane_max = _mm256_blendv_ps(lane_max, v, greater);
+      lane_idx = _mm256_blendv_epi8(lane_idx, idx, _mm256_castps_si256(greater));
+      idx = _mm256_add_epi32(idx, step);
+    }
+    alignas(32) float m[8];
+    alignas(32) int32_t at[8];
+    _mm256_store_ps(m, lane_max);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(at), lane_idx);
+    for (int l = 0; l < 8; ++l) {
       if (m[l] > best || (m[l] == best && at[l] < best_i)) best = m[l], best_i = at[l];
     }
   }
@@ -316,6 +345,18 @@ double row_weights(const T* row, int64_t width, float scale, float mx, SampleScr
       sum = _mm512_reduce_add_ps(e);
       i = i1;
     }
+#elif defined(KVSERVE_AVX2)
+    if (i1 - i0 == kBlock) {
+      __m256 total8 = _mm256_setzero_ps();
+      for (int64_t j = i0; j < i1; j += 8) {
+        const __m256 d = _mm256_mul_ps(_mm256_sub_ps(simd::load8(row + j), _mm256_set1_ps(mx)), _mm256_set1_ps(scale));
+        const __m256 e = _mm256_and_ps(_mm256_cmp_ps(d, _mm256_set1_ps(kFloor), _CMP_GE_OQ), simd::exp2_8(d));
+        _mm256_storeu_ps(s.w.data() + j, e);
+        total8 = _mm256_add_ps(total8, e);
+      }
+      sum = simd::hsum8(total8);
+      i = i1;
+    }
 #endif
     for (; i < i1; ++i) {
       const float d = (load(row, i) - mx) * scale;
@@ -336,6 +377,10 @@ float row_max(const T* row, int64_t width) {
   __m512 mx16 = _mm512_set1_ps(-INFINITY);
   for (; i + kVec <= width; i += kVec) mx16 = _mm512_max_ps(mx16, load16(row + i));
   mx = _mm512_reduce_max_ps(mx16);
+#elif defined(KVSERVE_AVX2)
+  __m256 mx8 = _mm256_set1_ps(-INFINITY);
+  for (; i + 8 <= width; i += 8) mx8 = _mm256_max_ps(mx8, simd::load8(row + i));
+  mx = simd::hmax8(mx8);
 #endif
   for (; i < width; ++i) mx = std::max(mx, load(row, i));
   return mx;

@@ -30,6 +30,10 @@
 
 #include <algorithm>
 
+#if defined(KVSERVE_BF16) || defined(KVSERVE_AVX2)
+#include <immintrin.h>
+#endif
+
 #if defined(KVSERVE_BF16)
 namespace {
 
@@ -316,9 +320,179 @@ void amx_linear(const at::Tensor& x, const uint16_t* w, const Output& out) {
 #endif  // KVSERVE_AMX
 
 }  // namespace
-#endif  // KVSERVE_BF16
+#elif defined(KVSERVE_AVX2)
+namespace {
+
+// ---- AVX2 + FMA (no bf16 arithmetic: AMD Zen 1-3, say) ---------------------------------------------
+// The same tensor [N / 16, K / 32, 16, 32] holds another layout here: strip s is K rows of its 16
+// channels, packed[s][k][p] = W[16 s + channel(p)][k], the products are float32 FMAs, and x is
+// converted to float32 once per call. A row of 16 bf16 channels becomes two float32 vectors by one
+// unpack each (zero in the low halves): unpacklo takes positions 0-3 and 8-11, unpackhi 4-7 and 12-15,
+// so positions 4-7 and 8-11 hold channels 8-11 and 4-7, and the vectors hold channels 0-7 and 8-15.
+// Every path sums a row's products in the same order (k ascending, one chain per channel), so a
+// row's result does not depend on the other rows of the batch.
+constexpr int kPosChannel[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+// Many rows: a work item is a block of kBlockRows rows of x against a group of strips holding about
+// kGroupBytes of W (it stays in L2 while the block passes over it, a strip at a time, which stays in L1
+// while the block's rows go through it kMicroRows at a time: 6 rows x 16 channels, 12 accumulators).
+constexpr int kMicroRows = 6;
+constexpr int64_t kBlockRows = 8 * kMicroRows;
+constexpr int64_t kGroupBytes = int64_t{1} << 18;
+constexpr int64_t kFewRows = 4;  // up to here each thread streams its share of W once for all rows
+
+struct Output {
+  c10::BFloat16* y;
+  int64_t n;      // W's rows
+  bool gated;     // gate and up strips alternating (pack_bf16_weight's `gated`)
+  bool silu_mul;  // gated only: write SiLU(gate) * up instead of y
+  // Row `row`'s 16 channels of strip s (channels past n dropped).
+  void store(int64_t row, int64_t s, __m256 lo, __m256 hi) const {
+    const int64_t col = gated ? (s % 2) * (n / 2) + (s / 2) * 16 : s * 16;
+    c10::BFloat16* dst = y + row * n + col;
+    if (col + 16 <= n) {
+      simd::store8(dst, lo), simd::store8(dst + 8, hi);
+    } else {
+      c10::BFloat16 tmp[16];
+      simd::store8(tmp, lo), simd::store8(tmp + 8, hi);
+      std::copy(tmp, tmp + (n - col), dst);
+    }
+  }
+  // SiLU(gate) * up for row `row`'s 16 channels of strip pair p, rounded as silu_mul rounds.
+  void store_silu_mul(int64_t row, int64_t p, __m256 g_lo, __m256 g_hi, __m256 u_lo, __m256 u_hi) const {
+    c10::BFloat16* dst = y + row * (n / 2) + p * 16;
+    simd::store8(dst, simd::silu_mul8_bf16(simd::round8_bf16(g_lo), simd::round8_bf16(u_lo)));
+    simd::store8(dst + 8, simd::silu_mul8_bf16(simd::round8_bf16(g_hi), simd::round8_bf16(u_hi)));
+  }
+};
+
+// res[m][j][16] = rows m < MR of x (float32) times strips s .. s + NS - 1 of W, as float32 sums. The
+// accumulators are one flat array in fully unrolled loops, and reach the caller through `res`:
+// written as acc[MR][NS][2] handed to the stores, GCC kept them in memory and stored all of them on
+// every step of the k loop (12 stores per 12 FMAs, half speed).
+template <int MR, int NS>
+void micro(const float* x, int64_t k, const uint16_t* w, int64_t s, float* res) {
+  constexpr int kAcc = MR * NS * 2;
+  const int64_t strip_values = k * 16;
+  const uint16_t* ws = w + s * strip_values;
+  const __m256i zero = _mm256_setzero_si256();
+  __m256 acc[kAcc];
+#pragma GCC unroll 32
+  for (int i = 0; i < kAcc; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t kk = 0; kk < k; ++kk) {
+#pragma GCC unroll 8
+    for (int j = 0; j < NS; ++j) {
+      const __m256i raw = _mm256_load_si256(reinterpret_cast<const __m256i*>(ws + j * strip_values + kk * 16));
+      const __m256 lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, raw));
+      const __m256 hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, raw));
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        const __m256 xv = _mm256_broadcast_ss(x + m * k + kk);
+        acc[(m * NS + j) * 2] = _mm256_fmadd_ps(xv, lo, acc[(m * NS + j) * 2]);
+        acc[(m * NS + j) * 2 + 1] = _mm256_fmadd_ps(xv, hi, acc[(m * NS + j) * 2 + 1]);
+      }
+    }
+  }
+#pragma GCC unroll 32
+  for (int i = 0; i < kAcc; ++i) _mm256_store_ps(res + 8 * i, acc[i]);
+}
+
+// micro<MR, NS> for `rows` <= MR rows (a runtime count), then y's rows row0.. written from the sums.
+template <int NS>
+void micro_rows(const float* x, int64_t k, const uint16_t* w, const Output& out, int64_t row0, int64_t rows,
+                int64_t s) {
+  alignas(32) float res[kMicroRows * NS * 16];
+  switch (rows) {
+    case 6: if constexpr (NS == 1) micro<6, 1>(x, k, w, s, res); break;
+    case 5: if constexpr (NS == 1) micro<5, 1>(x, k, w, s, res); break;
+    case 4: if constexpr (NS == 1) micro<4, 1>(x, k, w, s, res); break;
+    case 3: micro<3, NS>(x, k, w, s, res); break;
+    case 2: micro<2, NS>(x, k, w, s, res); break;
+    default: micro<1, NS>(x, k, w, s, res); break;
+  }
+  for (int64_t m = 0; m < rows; ++m)
+    for (int j = 0; j < NS; ++j) {
+      const float* r = res + (m * NS + j) * 16;
+      out.store(row0 + m, s + j, _mm256_load_ps(r), _mm256_load_ps(r + 8));
+    }
+}
+
+// Rows [r0, r1) against strips [s0, s1) (s0 even; a silu_mul range holds whole pairs).
+void rows_by_strips(const float* x, int64_t k, const uint16_t* w, const Output& out, int64_t r0, int64_t r1,
+                    int64_t s0, int64_t s1) {
+  if (out.silu_mul) {  // gate strip, then its up strip, kMicroRows rows at a time, then SiLU(gate) * up
+    alignas(32) float gate[kMicroRows * 16], up[kMicroRows * 16];
+    for (int64_t s = s0; s < s1; s += 2)
+      for (int64_t r = r0; r < r1; r += kMicroRows) {
+        const int64_t mr = std::min<int64_t>(kMicroRows, r1 - r);
+        const float* xr = x + r * k;
+        with_few_rows<kMicroRows>(mr, [&](auto rows) {
+          micro<decltype(rows)::value, 1>(xr, k, w, s, gate);
+          micro<decltype(rows)::value, 1>(xr, k, w, s + 1, up);
+        });
+        for (int64_t m = 0; m < mr; ++m)
+          out.store_silu_mul(r + m, s / 2, _mm256_load_ps(gate + 16 * m), _mm256_load_ps(gate + 16 * m + 8),
+                             _mm256_load_ps(up + 16 * m), _mm256_load_ps(up + 16 * m + 8));
+      }
+    return;
+  }
+  const int64_t rows = r1 - r0;
+  if (rows == 1) {  // four strips side by side: 8 chains, and four streams of W
+    int64_t s = s0;
+    for (; s + 4 <= s1; s += 4) micro_rows<4>(x + r0 * k, k, w, out, r0, 1, s);
+    for (; s < s1; ++s) micro_rows<1>(x + r0 * k, k, w, out, r0, 1, s);
+    return;
+  }
+  if (rows <= 3) {  // strip pairs: 8 or 12 chains
+    int64_t s = s0;
+    for (; s + 2 <= s1; s += 2) micro_rows<2>(x + r0 * k, k, w, out, r0, rows, s);
+    for (; s < s1; ++s) micro_rows<1>(x + r0 * k, k, w, out, r0, rows, s);
+    return;
+  }
+  for (int64_t s = s0; s < s1; ++s)  // the strip stays in L1 while the rows pass over it
+    for (int64_t r = r0; r < r1; r += kMicroRows)
+      micro_rows<1>(x + r * k, k, w, out, r, std::min<int64_t>(kMicroRows, r1 - r), s);
+}
+
+void avx2_linear(const at::Tensor& x, const uint16_t* w, const Output& out) {
+  const at::Tensor x32 = x.to(at::kFloat).contiguous();
+  const float* xp = x32.data_ptr<float>();
+  const int64_t m = x.size(0), k = x.size(1), strips = (out.n + 15) / 16, pairs = (strips + 1) / 2;
+  if (m <= kFewRows) {
+    // Bound by reading W: strip pairs split over the threads, >= 256 KB of W per task (a second
+    // thread's wake-up costs more than a small matrix), all rows against each strip.
+    const int64_t threads = at::get_num_threads();
+    int64_t tasks = std::max<int64_t>(1, pairs * k * 64 / (int64_t{1} << 18));
+    if (tasks > 1) tasks = (tasks + threads - 1) / threads * threads;
+    parallel_for_dynamic(0, pairs, (pairs + tasks - 1) / tasks, [&](int64_t p0, int64_t p1) {
+      const int64_t s0 = 2 * p0, s1 = std::min(2 * p1, strips);
+      rows_by_strips(xp, k, w, out, 0, m, s0, s1);  // W read once for all rows
+    });
+    return;
+  }
+  const int64_t blocks = (m + kBlockRows - 1) / kBlockRows;
+  const int64_t group = std::clamp<int64_t>(kGroupBytes / (k * 64), 1, pairs);  // strip pairs per group
+  const int64_t groups = (pairs + group - 1) / group;
+  parallel_for_dynamic(0, groups * blocks, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t g = item / blocks, r0 = item % blocks * kBlockRows;
+      rows_by_strips(xp, k, w, out, r0, std::min(m, r0 + kBlockRows), 2 * g * group,
+                     std::min(strips, 2 * (g + 1) * group));
+    }
+  });
+}
+
+}  // namespace
+#endif  // KVSERVE_BF16 / KVSERVE_AVX2
 
 bool packed_linear_supported() {
+#if defined(KVSERVE_BF16) || defined(KVSERVE_AVX2)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool native_bf16() {
 #if defined(KVSERVE_BF16)
   return true;
 #else
@@ -327,7 +501,7 @@ bool packed_linear_supported() {
 }
 
 at::Tensor pack_bf16_weight(const at::Tensor& weight, bool gated) {
-  TORCH_CHECK(packed_linear_supported(), "the packed bf16 layout needs AVX512-BF16");
+  TORCH_CHECK(packed_linear_supported(), "the packed bf16 layout needs AVX512-BF16 or AVX2");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16 &&
                   weight.size(1) % 32 == 0,
               "weight must be a contiguous bfloat16 [N, K] matrix with K a multiple of 32");
@@ -344,12 +518,25 @@ at::Tensor pack_bf16_weight(const at::Tensor& weight, bool gated) {
         pack_tile(src + row * k + c * 32, k, std::min<int64_t>(16, n - row), dst + (s * chunks + c) * kTile);
     }
   });
+#elif defined(KVSERVE_AVX2)
+  const uint16_t* src = static_cast<const uint16_t*>(weight.data_ptr());
+  uint16_t* dst = static_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t row = gated ? (s % 2) * (n / 2) + (s / 2) * 16 : s * 16;  // gated: gate, up, gate, up...
+      for (int64_t kk = 0; kk < k; ++kk)
+        for (int p = 0; p < 16; ++p) {
+          const int64_t r = row + kPosChannel[p];
+          dst[(s * k + kk) * 16 + p] = r < n && r < row + 16 ? src[r * k + kk] : 0;
+        }
+    }
+  });
 #endif
   return out;
 }
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool gated, bool silu_mul) {
-  TORCH_CHECK(packed_linear_supported(), "the packed bf16 layout needs AVX512-BF16");
+  TORCH_CHECK(packed_linear_supported(), "the packed bf16 layout needs AVX512-BF16 or AVX2");
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
                   packed.size(2) == 16 && packed.size(3) == 32 && n > 0 && (n + 15) / 16 == packed.size(0),
               "packed must be pack_bf16_weight's [N / 16, K / 32, 16, 32] of an [n, K] weight");
@@ -369,6 +556,9 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 #endif
   else if (x.size(0) <= kPassRows) vector_linear_passes(x, w, out);
   else vector_linear_blocked(x, w, out);
+#elif defined(KVSERVE_AVX2)
+  if (x.size(0) == 0) return y;
+  avx2_linear(x, static_cast<const uint16_t*>(packed.data_ptr()), Output{y.data_ptr<c10::BFloat16>(), n, gated, silu_mul});
 #endif
   return y;
 }
