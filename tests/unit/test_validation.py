@@ -81,7 +81,7 @@ def test_auto_dtype_follows_the_checkpoint_and_the_cpu(tmp_path, tiny_llama):
     from tests.conftest import make_tiny_model
 
     kernels = load_kernels()
-    native = "bfloat16" if kernels is not None and kernels.packed_linear_supported() else "float32"
+    native = "bfloat16" if kernels is not None and kernels.native_bf16() else "float32"
     cpu = torch.device("cpu")
     assert auto_dtype(tiny_llama, cpu) == "float32"
     bf16 = make_tiny_model(tmp_path / "bf16", "LlamaForCausalLM", dtype=torch.bfloat16)

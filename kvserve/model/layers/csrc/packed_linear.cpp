@@ -419,6 +419,28 @@ void micro_rows(const float* x, int64_t k, const uint16_t* w, const Output& out,
 // Rows [r0, r1) against strips [s0, s1) (s0 even; a silu_mul range holds whole pairs).
 void rows_by_strips(const float* x, int64_t k, const uint16_t* w, const Output& out, int64_t r0, int64_t r1,
                     int64_t s0, int64_t s1) {
+  if (out.silu_mul && r1 - r0 <= 3) {
+    // Few rows: strip pairs side by side (gate, up, gate, up: 8 chains for one row, 8 or 12 for
+    // two or three), SiLU(gate) * up from the sums. One strip at a time was latency-bound (two
+    // chains per row): 30% of a single-stream step.
+    const int64_t rows = r1 - r0;
+    alignas(32) float res[3 * 4 * 16];
+    for (int64_t s = s0; s < s1;) {
+      const int ns = rows == 1 && s + 4 <= s1 ? 4 : 2;
+      if (ns == 4) micro<1, 4>(x + r0 * k, k, w, s, res);
+      else if (rows == 1) micro<1, 2>(x + r0 * k, k, w, s, res);
+      else if (rows == 2) micro<2, 2>(x + r0 * k, k, w, s, res);
+      else micro<3, 2>(x + r0 * k, k, w, s, res);
+      for (int64_t m = 0; m < rows; ++m)
+        for (int j = 0; j < ns; j += 2) {
+          const float* g = res + (m * ns + j) * 16;
+          out.store_silu_mul(r0 + m, (s + j) / 2, _mm256_load_ps(g), _mm256_load_ps(g + 8), _mm256_load_ps(g + 16),
+                             _mm256_load_ps(g + 24));
+        }
+      s += ns;
+    }
+    return;
+  }
   if (out.silu_mul) {  // gate strip, then its up strip, kMicroRows rows at a time, then SiLU(gate) * up
     alignas(32) float gate[kMicroRows * 16], up[kMicroRows * 16];
     for (int64_t s = s0; s < s1; s += 2)
