@@ -39,10 +39,12 @@ _MAX_FUSED_ROWS_WITHOUT_AMX = 16
 # up included, AMX) it took 20.5-21.1 ms at 64 rows of x, 47-49 at 256, 126-127 at 1,024, 218-235
 # at 2,048 (oneDNN on W as stored: 273), 421 at 4,096 (538), 869 at 8,192 (1,837). Without AMX
 # (a Zen 4) its vdpbf16ps kernel ran at 390-445 GFLOP/s at 64-1,024 rows, oneDNN at 280-410.
-# Dense bf16 W not packed (a CPU without AVX512-BF16): the fused kernel up to here, then float32 tiles
-# of W through at::mm (oneDNN's bf16 matmul emulates bf16 there, 4-6x slower than float32). On a Zen 3
-# (AVX2, two threads, the default model's shapes) fused / tiled took at 16 rows 0.89 / 1.72 ms (gate_up)
-# and 17 / 43 ms (output head), at 64 rows 2.4 / 3.1 and 46 / 48, at 128 rows 5.3 / 5.3 and 113 / 120.
+# Dense bf16 W not packed (AVX-512 without BF16, e.g. Skylake-SP; AVX512-BF16 and AVX2 CPUs pack it):
+# the fused kernel up to here, then float32 tiles of W through at::mm (oneDNN's bf16 matmul emulates
+# bf16 there). Measured with the AVX2 fused kernel on a Zen 3 before that CPU packed W (two threads,
+# the default model's shapes), fused / tiled: at 16 rows 0.89 / 1.72 ms (gate_up) and 17 / 43 ms
+# (output head), at 64 rows 2.4 / 3.1 and 46 / 48, at 128 rows 5.3 / 5.3 and 113 / 120; not measured
+# on an AVX-512 CPU without BF16.
 _MAX_DENSE_FUSED_ROWS = 64
 _TILE_BYTES = 1 << 21  # a dequantized tile of W that stays in L2 while at::mm reads it
 _LOAD_CHUNK_VALUES = 1 << 18
@@ -124,7 +126,7 @@ class Dense(QuantMethod):
         w = layer._parameters["weight"]  # not layer.weight: nn.Module's attribute lookup costs µs per call
         if x.device.type == "cpu" and w.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and layer.in_features % 32 == 0:
             kernels = load_quant_kernels()
-            if kernels is not None:  # reached only on CPUs without AVX512-BF16 (else W is packed)
+            if kernels is not None:  # reached only where W is not packed (neither AVX512-BF16 nor AVX2)
                 flat = x if x.dim() == 2 else x.reshape(-1, layer.in_features)
                 y = kernels.dense_linear(flat.contiguous(), w, _MAX_DENSE_FUSED_ROWS)
                 return y if x.dim() == 2 else y.reshape(*x.shape[:-1], layer.out_features)

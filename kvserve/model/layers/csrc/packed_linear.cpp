@@ -34,6 +34,15 @@
 #include <immintrin.h>
 #endif
 
+namespace {
+// The first of W's rows (output channels) that strip s holds: strips of 16 in order, or for a gated
+// W = [W_gate; W_up] gate and up strips alternating (gate strip i is 2i, up strip i is 2i + 1). The
+// packs and the kernels' stores of both layouts place channels by it.
+[[maybe_unused]] inline int64_t strip_channel(int64_t s, int64_t n, bool gated) {
+  return gated ? (s % 2) * (n / 2) + (s / 2) * 16 : s * 16;
+}
+}  // namespace
+
 #if defined(KVSERVE_BF16)
 namespace {
 
@@ -107,7 +116,7 @@ struct Output {
   bool silu_mul;  // gated only: write SiLU(gate) * up instead of y
   // Row `row`'s 16 channels of strip s (channels past n dropped), from float32 sums.
   void store(int64_t row, int64_t s, __m512 v) const {
-    const int64_t col = gated ? (s % 2) * (n / 2) + (s / 2) * 16 : s * 16;
+    const int64_t col = strip_channel(s, n, gated);
     const int64_t cols = std::min<int64_t>(16, n - col);
     const __mmask16 mask = cols == 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
     _mm256_mask_storeu_epi16(y + row * n + col, mask, (__m256i)_mm512_cvtneps_pbh(v));
@@ -347,7 +356,7 @@ struct Output {
   bool silu_mul;  // gated only: write SiLU(gate) * up instead of y
   // Row `row`'s 16 channels of strip s (channels past n dropped).
   void store(int64_t row, int64_t s, __m256 lo, __m256 hi) const {
-    const int64_t col = gated ? (s % 2) * (n / 2) + (s / 2) * 16 : s * 16;
+    const int64_t col = strip_channel(s, n, gated);
     c10::BFloat16* dst = y + row * n + col;
     if (col + 16 <= n) {
       simd::store8(dst, lo), simd::store8(dst + 8, hi);
@@ -400,6 +409,9 @@ void micro(const float* x, int64_t k, const uint16_t* w, int64_t s, float* res) 
 template <int NS>
 void micro_rows(const float* x, int64_t k, const uint16_t* w, const Output& out, int64_t row0, int64_t rows,
                 int64_t s) {
+  // The blocks that fit the 16 registers: up to 6 rows of one strip, 3 of a pair, 1 of four strips.
+  TORCH_INTERNAL_ASSERT(rows >= 1 && rows <= (NS == 1 ? kMicroRows : NS == 2 ? 3 : 1), "micro_rows: ", rows,
+                        " rows of ", NS, " strips");
   alignas(32) float res[kMicroRows * NS * 16];
   switch (rows) {
     case 6: if constexpr (NS == 1) micro<6, 1>(x, k, w, s, res); break;
@@ -535,7 +547,7 @@ at::Tensor pack_bf16_weight(const at::Tensor& weight, bool gated) {
   uint16_t* dst = static_cast<uint16_t*>(out.data_ptr());
   at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) {
-      const int64_t row = gated ? (s % 2) * (n / 2) + (s / 2) * 16 : s * 16;  // gated: gate, up, gate, up...
+      const int64_t row = strip_channel(s, n, gated);
       for (int64_t c = 0; c < chunks; ++c)
         pack_tile(src + row * k + c * 32, k, std::min<int64_t>(16, n - row), dst + (s * chunks + c) * kTile);
     }
@@ -545,7 +557,7 @@ at::Tensor pack_bf16_weight(const at::Tensor& weight, bool gated) {
   uint16_t* dst = static_cast<uint16_t*>(out.data_ptr());
   at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) {
-      const int64_t row = gated ? (s % 2) * (n / 2) + (s / 2) * 16 : s * 16;  // gated: gate, up, gate, up...
+      const int64_t row = strip_channel(s, n, gated);
       for (int64_t kk = 0; kk < k; ++kk)
         for (int p = 0; p < 16; ++p) {
           const int64_t r = row + kPosChannel[p];

@@ -886,7 +886,7 @@ at::Tensor dense_tiled(const at::Tensor& x, const at::Tensor& weight, int64_t ti
 }
 
 // y = x W^T for a dense bf16 W [N, K] (K a multiple of 32) where the packed copy is not available (a
-// CPU without AVX512-BF16; with it every such W is packed, layers/csrc/packed_linear.cpp): up to
+// CPU with neither AVX512-BF16 nor AVX2, e.g. AVX-512 without BF16; layers/csrc/packed_linear.cpp): up to
 // max_fused_rows rows of x the fused loop (W read once per kFusedRows rows), beyond that float32
 // tiles of W and at::mm.
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, int64_t max_fused_rows) {
