@@ -429,8 +429,52 @@ inline __m256 sum8(const __m256* v) {
 struct Scratch8 {
   simd::aligned_vector<float> q, acc, p;  // [group, D] scaled query, [group, D] weighted values, [group, 8] weights
   std::vector<float> m, l;                 // [group] running max and sum of weights
-  Scratch8(int64_t group, int64_t head_dim) : q(group * head_dim), acc(group * head_dim), p(group * kChunk8), m(group), l(group) {}
+  simd::aligned_vector<float> part;       // [group, 8, 8] per-lane partial dots of each head with each token
+  Scratch8(int64_t group, int64_t head_dim)
+      : q(group * head_dim), acc(group * head_dim), p(group * kChunk8), m(group), l(group), part(group * kChunk8 * 8) {}
 };
+
+// part[j][t] (8 floats): lane sums of query head j's dot with token t, for GB heads (q: [GB, D],
+// scaled) and the n <= 8 key rows at k_base + rows[t]; each key vector is converted once for all GB
+// heads. Tokens t >= n get zeros.
+template <int GB, typename T>
+inline void dots8(const T* k_base, const int64_t* rows, int n, const float* q, int64_t D, float* part) {
+  for (int t = 0; t < kChunk8; ++t) {
+    __m256 a[GB][2];
+    for (int j = 0; j < GB; ++j) a[j][0] = a[j][1] = _mm256_setzero_ps();
+    if (t < n) {
+      const T* kr = k_base + rows[t];
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m256 k0 = simd::load8(kr + d), k1 = simd::load8(kr + d + 8);
+        for (int j = 0; j < GB; ++j) {
+          a[j][0] = _mm256_fmadd_ps(k0, _mm256_load_ps(q + j * D + d), a[j][0]);
+          a[j][1] = _mm256_fmadd_ps(k1, _mm256_load_ps(q + j * D + d + 8), a[j][1]);
+        }
+      }
+    }
+    for (int j = 0; j < GB; ++j) _mm256_store_ps(part + (j * kChunk8 + t) * 8, _mm256_add_ps(a[j][0], a[j][1]));
+  }
+}
+
+// acc[j] += sum_t p[j][t] v[t] for GB query heads (acc: [GB, D], p: [GB, 8]) over the n value rows
+// at v_base + rows[t], 16 dimensions at a time.
+template <int GB, typename T>
+inline void weigh8(const T* v_base, const int64_t* rows, int n, const float* p, int64_t D, float* acc) {
+  for (int64_t d = 0; d < D; d += 16) {
+    __m256 a[GB][2];
+    for (int j = 0; j < GB; ++j) a[j][0] = _mm256_load_ps(acc + j * D + d), a[j][1] = _mm256_load_ps(acc + j * D + d + 8);
+    for (int t = 0; t < n; ++t) {
+      const T* vr = v_base + rows[t] + d;
+      const __m256 v0 = simd::load8(vr), v1 = simd::load8(vr + 8);
+      for (int j = 0; j < GB; ++j) {
+        const __m256 w = _mm256_set1_ps(p[j * kChunk8 + t]);
+        a[j][0] = _mm256_fmadd_ps(w, v0, a[j][0]);
+        a[j][1] = _mm256_fmadd_ps(w, v1, a[j][1]);
+      }
+    }
+    for (int j = 0; j < GB; ++j) _mm256_store_ps(acc + j * D + d, a[j][0]), _mm256_store_ps(acc + j * D + d + 8, a[j][1]);
+  }
+}
 
 template <int kD, typename T>
 void decode_avx2(const T* q, const T* k_base, const T* v_base, int64_t num_kv_heads, const int64_t* table,
@@ -442,29 +486,42 @@ void decode_avx2(const T* q, const T* k_base, const T* v_base, int64_t num_kv_he
   std::fill(s.m.begin(), s.m.end(), -std::numeric_limits<float>::infinity());
   std::fill(s.l.begin(), s.l.end(), 0.f);
   const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-  int64_t blk = 0, off = 0;  // the block-table walk: token `start` is at (table[blk], off)
+  // The block-table walk: the next token's row is at (table[blk], off). Each chunk's rows are
+  // found one chunk ahead and prefetched while the chunk before them is computed (the blocks are
+  // scattered over the pool, beyond the hardware prefetchers' reach). Zen 3, bf16, each of 30
+  // layers' caches in turn, a layer: 64 sequences x 300 tokens 2.9-3.8 -> 2.0-2.6 ms, 32 x 256
+  // 1.36-1.46 -> 0.81-1.20 ms.
+  int64_t blk = 0, off = 0;
+  int64_t rows[kChunk8], next[kChunk8];
+  auto walk = [&](int64_t start, int64_t* out) {
+    const int n = static_cast<int>(std::min<int64_t>(kChunk8, seq_len - start));
+    for (int t = 0; t < n; ++t) {
+      out[t] = ((table[blk] * block_size + off) * num_kv_heads + head) * D;
+      if (++off == block_size) off = 0, ++blk;
+      const char* kr = reinterpret_cast<const char*>(k_base + out[t]);
+      const char* vr = reinterpret_cast<const char*>(v_base + out[t]);
+      for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64)
+        _mm_prefetch(kr + b, _MM_HINT_T0), _mm_prefetch(vr + b, _MM_HINT_T0);
+    }
+  };
+  if (seq_len > 0) walk(0, next);
   for (int64_t start = 0; start < seq_len; start += kChunk8) {
     const int n = static_cast<int>(std::min<int64_t>(kChunk8, seq_len - start));
-    int64_t rows[kChunk8];
-    for (int t = 0; t < n; ++t) {
-      rows[t] = ((table[blk] * block_size + off) * num_kv_heads + head) * D;
-      if (++off == block_size) off = 0, ++blk;
-    }
+    std::copy(next, next + n, rows);
+    if (start + kChunk8 < seq_len) walk(start + kChunk8, next);
     const __m256 valid = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = &s.q[g * D];
-      __m256 part[kChunk8];
-      for (int t = 0; t < kChunk8; ++t) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        if (t < n) {
-          const T* kr = k_base + rows[t];
-          for (int64_t d = 0; d < D; d += 16) {
-            a0 = _mm256_fmadd_ps(simd::load8(kr + d), _mm256_load_ps(qg + d), a0);
-            a1 = _mm256_fmadd_ps(simd::load8(kr + d + 8), _mm256_load_ps(qg + d + 8), a1);
-          }
-        }
-        part[t] = _mm256_add_ps(a0, a1);
+    // q.k: each key row is loaded (and converted) once for up to four query heads.
+    for (int64_t g0 = 0; g0 < group; g0 += 4) {
+      switch (std::min<int64_t>(4, group - g0)) {
+        case 4: dots8<4>(k_base, rows, n, &s.q[g0 * D], D, &s.part[g0 * kChunk8 * 8]); break;
+        case 3: dots8<3>(k_base, rows, n, &s.q[g0 * D], D, &s.part[g0 * kChunk8 * 8]); break;
+        case 2: dots8<2>(k_base, rows, n, &s.q[g0 * D], D, &s.part[g0 * kChunk8 * 8]); break;
+        default: dots8<1>(k_base, rows, n, &s.q[g0 * D], D, &s.part[g0 * kChunk8 * 8]); break;
       }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      __m256 part[kChunk8];
+      for (int t = 0; t < kChunk8; ++t) part[t] = _mm256_load_ps(&s.part[(g * kChunk8 + t) * 8]);
       const __m256 sc = _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()), sum8(part), valid);
       const float mx = simd::hmax8(sc);
       float alpha = 1.f;
@@ -480,25 +537,15 @@ void decode_avx2(const T* q, const T* k_base, const T* v_base, int64_t num_kv_he
         for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(&s.acc[g * D + d], _mm256_mul_ps(_mm256_load_ps(&s.acc[g * D + d]), va));
       }
     }
-    // acc[g] += sum_t p[g][t] v[t]: 16 dims of up to four query heads at a time, each value row
-    // loaded (and converted) once for all of them.
+    // acc[g] += sum_t p[g][t] v[t], each value row loaded (and converted) once for up to four heads.
     for (int64_t g0 = 0; g0 < group; g0 += 4) {
-      const int gb = static_cast<int>(std::min<int64_t>(4, group - g0));
-      for (int64_t d = 0; d < D; d += 16) {
-        __m256 a[4][2];
-        for (int j = 0; j < gb; ++j)
-          a[j][0] = _mm256_load_ps(&s.acc[(g0 + j) * D + d]), a[j][1] = _mm256_load_ps(&s.acc[(g0 + j) * D + d + 8]);
-        for (int t = 0; t < n; ++t) {
-          const T* vr = v_base + rows[t] + d;
-          const __m256 v0 = simd::load8(vr), v1 = simd::load8(vr + 8);
-          for (int j = 0; j < gb; ++j) {
-            const __m256 w = _mm256_set1_ps(s.p[(g0 + j) * kChunk8 + t]);
-            a[j][0] = _mm256_fmadd_ps(w, v0, a[j][0]);
-            a[j][1] = _mm256_fmadd_ps(w, v1, a[j][1]);
-          }
-        }
-        for (int j = 0; j < gb; ++j)
-          _mm256_store_ps(&s.acc[(g0 + j) * D + d], a[j][0]), _mm256_store_ps(&s.acc[(g0 + j) * D + d + 8], a[j][1]);
+      float* acc = &s.acc[g0 * D];
+      const float* p = &s.p[g0 * kChunk8];
+      switch (std::min<int64_t>(4, group - g0)) {
+        case 4: weigh8<4>(v_base, rows, n, p, D, acc); break;
+        case 3: weigh8<3>(v_base, rows, n, p, D, acc); break;
+        case 2: weigh8<2>(v_base, rows, n, p, D, acc); break;
+        default: weigh8<1>(v_base, rows, n, p, D, acc); break;
       }
     }
   }
