@@ -307,3 +307,15 @@ def test_paged_kernel_reads_quantized_cache(kv_dtype, dtype):
     # and close to attention over the unquantized cache
     out_exact = exact.forward(q, k, v, dense.to(dtype), meta, dim**-0.5)
     assert (out_fast.float() - out_exact.float()).abs().max() < (0.05 if kv_dtype == "int8" else 0.15)
+
+
+def test_vector_bits_names_the_build():
+    """``vector_bits`` picks the fused kernel's row limit (methods._max_fused_rows): 256 only for the
+    AVX2 build, which has no bf16 arithmetic and packs dense bf16 weights as float32 strips."""
+    kernels = _kernels()
+    bits = kernels.vector_bits()
+    assert bits in (0, 256, 512)
+    if bits == 256:
+        assert not kernels.native_bf16() and not kernels.has_amx() and kernels.packed_linear_supported()
+    if bits == 0:
+        assert not kernels.packed_linear_supported()

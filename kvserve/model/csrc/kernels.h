@@ -87,6 +87,7 @@ at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const
                       const c10::optional<at::Tensor>& factors, int64_t group, int64_t bits, at::ScalarType dtype);
 bool has_amx();
 bool has_int8_activations();  // few-row int4/int8 kernels quantize bf16/fp16 x to int8 (AVX512-VNNI)
+int64_t vector_bits();        // the kernels' vector width: 512 (AVX-512), 256 (AVX2 + FMA + F16C) or 0 (scalar)
 
 // layers/csrc/packed_linear.cpp: dense bf16 W in the AMX tile layout [N / 16, K / 32, 16, 32];
 // gated: W = [W_gate; W_up], packed so that the kernel can also write SiLU(gate) * up [M, N / 2].

@@ -20,6 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "dequantize an int8/int4 weight (CPU)", no_gil);
   m.def("dense_linear", &dense_linear, "x W^T for a dense bf16 weight that is not packed: fused loop for a few rows, else at::mm (CPU)", no_gil);
   m.def("has_amx", &has_amx, "AMX tiles usable in this process");
+  m.def("vector_bits", &vector_bits, "the kernels' vector width: 512 (AVX-512), 256 (AVX2 + FMA + F16C) or 0 (scalar loops)");
   m.def("has_int8_activations", &has_int8_activations,
         "few-row int4/int8 linears quantize bf16/fp16 x to int8 per 32 inputs (AVX512-VNNI); else x stays float");
   m.def("packed_linear_supported", &packed_linear_supported,

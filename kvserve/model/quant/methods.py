@@ -33,6 +33,12 @@ _MAX_AMX_ROWS = 256
 # at 4 rows the int8 output head 1.26 / 5.01 ms and an int4 gate_up 0.065 / 0.300; at 16 rows 4.5 /
 # 5.9 and 0.25 / 0.35; at 32 rows 9.3 / 7.1 and 0.47 / 0.46).
 _MAX_FUSED_ROWS_WITHOUT_AMX = 16
+# AVX2 (no AVX-512): x of any dtype is multiplied in float32, by the fused kernel or by float32 tiles
+# + MKL's sgemm, which win from ~40 rows (Zen 3, two threads, the default model's GGUF layers,
+# fused / tiled, ms, float32 x; bf16 x the same within noise): at 32 rows gate_up 1.24 / 1.40, down
+# 0.59 / 0.68, the int8 output head 20.0 / 20.7; at 48 rows 1.86 / 1.72, 0.87 / 0.85, 29.8 / 25.5;
+# at 64 rows 2.52 / 2.08, 1.16 / 1.01, 40.6 / 30.6.
+_MAX_FUSED_ROWS_AVX2 = 32
 # Dense bf16 W on a CPU with AVX512-BF16: W is kept only in the AMX tile layout
 # (layers/csrc/packed_linear.cpp), packed at load; its kernel serves every number of rows, on AMX
 # tiles where the CPU has them. Over the default model's 30 layers (2 threads, weights cold, SiLU *
@@ -58,6 +64,8 @@ load_quant_kernels = load_kernels
 def _max_fused_rows(dtype: torch.dtype) -> int:
     """Rows of x up to which the fused dequantize+dot kernel runs, for x of ``dtype`` on this CPU."""
     kernels = load_quant_kernels()
+    if kernels is not None and kernels.vector_bits() == 256:
+        return _MAX_FUSED_ROWS_AVX2
     if dtype == torch.bfloat16 and kernels is not None and not kernels.has_amx():
         return _MAX_FUSED_ROWS_WITHOUT_AMX
     return _MAX_FUSED_ROWS.get(dtype, 8)
