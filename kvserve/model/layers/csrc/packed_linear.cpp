@@ -542,27 +542,22 @@ at::Tensor pack_bf16_weight(const at::Tensor& weight, bool gated) {
   const int64_t n = weight.size(0), k = weight.size(1), strips = (n + 15) / 16, chunks = k / 32;
   TORCH_CHECK(!gated || n % 32 == 0, "a gated weight's halves must be whole strips of 16 rows (N a multiple of 32)");
   at::Tensor out = at::empty({strips, chunks, 16, 32}, weight.options());
-#if defined(KVSERVE_BF16)
+#if defined(KVSERVE_BF16) || defined(KVSERVE_AVX2)
   const uint16_t* src = static_cast<const uint16_t*>(weight.data_ptr());
   uint16_t* dst = static_cast<uint16_t*>(out.data_ptr());
   at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) {
       const int64_t row = strip_channel(s, n, gated);
+#if defined(KVSERVE_BF16)  // the AMX tile layout
       for (int64_t c = 0; c < chunks; ++c)
         pack_tile(src + row * k + c * 32, k, std::min<int64_t>(16, n - row), dst + (s * chunks + c) * kTile);
-    }
-  });
-#elif defined(KVSERVE_AVX2)
-  const uint16_t* src = static_cast<const uint16_t*>(weight.data_ptr());
-  uint16_t* dst = static_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; ++s) {
-      const int64_t row = strip_channel(s, n, gated);
+#else  // K-major strips of 16 channels, in kPosChannel's order
       for (int64_t kk = 0; kk < k; ++kk)
         for (int p = 0; p < 16; ++p) {
           const int64_t r = row + kPosChannel[p];
           dst[(s * k + kk) * 16 + p] = r < n && r < row + 16 ? src[r * k + kk] : 0;
         }
+#endif
     }
   });
 #endif
