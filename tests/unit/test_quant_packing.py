@@ -122,6 +122,32 @@ def test_kernel_matches_reference(bits, group, zeros, coded, rows, dtype):
         torch.testing.assert_close(y.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
+@pytest.mark.parametrize("bits, group, coded", [(4, 32, False), (4, 16, True), (8, 32, False), (8, 16, False)])
+@pytest.mark.parametrize("n", [72, 75])
+@pytest.mark.parametrize("rows", [2, 4, 50, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_kernel_matches_reference(bits, group, coded, n, rows, dtype):
+    """Batches past the fused kernel's rows: on AVX2, float32 panels of 16 rows of W, dotted with 3 rows
+    of x by 4 rows of W at a time in blocks of 48 rows; n = 75 ends in a partial panel whose last
+    4 rows are partial too, and 50 / 100 rows leave remainders of 2 and 1 row and a second block."""
+    kernels = _kernels()
+    torch.manual_seed(n + rows + bits)
+    k = 320
+    w = torch.randn(n, k) * 0.1
+    if bits == 4:
+        q, s, z, f = packing.quantize_int4(w, group, coded=coded)
+    else:
+        q, s = packing.quantize_int8(w, group)
+        z, f = (torch.randn_like(s.float()) * 0.01).half(), None
+    ref_w = packing.dequantize(q, s, z, bits, torch.float32, f)
+    x = torch.randn(rows, k).to(dtype)
+    y = kernels.quant_linear(x, q, s, z, f, group, bits, 0, 1 << 30, 4096)
+    assert y.dtype == dtype and y.shape == (rows, n)
+    ref = x.double() @ ref_w.double().T
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: y's own rounding
+    torch.testing.assert_close(y.double(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
 def _int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x as the int4 / int8 kernels quantize it for bf16 / float16 rows: int8 per 32 inputs, step amax / 127,
     round to nearest even. Returns (x_hat, step per input, step where the rounding is a tie else 0)."""

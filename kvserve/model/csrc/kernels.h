@@ -80,7 +80,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> row_logprobs(const at::Tensor& x,
 // quant/csrc/quant_linear.cpp
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& zeros, const c10::optional<at::Tensor>& factors,
-                        int64_t group, int64_t bits, int64_t max_fused_rows, int64_t max_amx_rows,
+                        int64_t group, int64_t bits, int64_t max_fused_rows, int64_t max_mid_rows,
                         int64_t tile_bytes);
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, int64_t max_fused_rows);
 at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
@@ -120,7 +120,7 @@ struct LinearSpec {
   at::Tensor weight;  // kDense / kTorch: the float weight [N, K]; kQuant: qweight; kPacked: the AMX tile layout
   c10::optional<at::Tensor> scales, zeros, factors, bias;
   int64_t group = 0, bits = 0;
-  int64_t max_fused_rows = 0, max_amx_rows = 0;  // the kernels' dispatch thresholds (methods.py)
+  int64_t max_fused_rows = 0, max_mid_rows = 0;  // the kernels' dispatch thresholds (methods.py)
   int64_t tile_bytes = 0;                        // kQuant: the prefill tile size
   int64_t out_features = 0;                      // kPacked: N (the layout pads it to whole strips)
   bool gated = false;                            // kPacked: packed as gated (can write SiLU(gate) * up)

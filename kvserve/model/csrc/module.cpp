@@ -41,16 +41,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](int64_t kind, at::Tensor weight, c10::optional<at::Tensor> scales,
                        c10::optional<at::Tensor> zeros, c10::optional<at::Tensor> factors,
                        c10::optional<at::Tensor> bias, int64_t group, int64_t bits, int64_t max_fused_rows,
-                       int64_t max_amx_rows, int64_t tile_bytes, int64_t out_features, bool gated) {
+                       int64_t max_mid_rows, int64_t tile_bytes, int64_t out_features, bool gated) {
              TORCH_CHECK(kind >= LinearSpec::kDense && kind <= LinearSpec::kPacked, "unknown linear kind ", kind);
              TORCH_CHECK(kind != LinearSpec::kQuant || scales.has_value(), "a quantized weight needs its scales");
              return LinearSpec{kind, std::move(weight), std::move(scales), std::move(zeros), std::move(factors),
-                               std::move(bias), group, bits, max_fused_rows, max_amx_rows,
+                               std::move(bias), group, bits, max_fused_rows, max_mid_rows,
                                tile_bytes, out_features, gated};
            }),
            py::arg("kind"), py::arg("weight"), py::arg("scales") = py::none(), py::arg("zeros") = py::none(),
            py::arg("factors") = py::none(), py::arg("bias") = py::none(), py::arg("group") = 0,
-           py::arg("bits") = 0, py::arg("max_fused_rows") = 0, py::arg("max_amx_rows") = 0,
+           py::arg("bits") = 0, py::arg("max_fused_rows") = 0, py::arg("max_mid_rows") = 0,
            py::arg("tile_bytes") = 0, py::arg("out_features") = 0, py::arg("gated") = false)
       .def("__call__", &LinearSpec::apply, no_gil)
       .def("silu_mul", &LinearSpec::apply_silu_mul, "SiLU(gate) * up of the layer's output", no_gil);

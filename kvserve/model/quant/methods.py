@@ -33,12 +33,13 @@ _MAX_AMX_ROWS = 256
 # at 4 rows the int8 output head 1.26 / 5.01 ms and an int4 gate_up 0.065 / 0.300; at 16 rows 4.5 /
 # 5.9 and 0.25 / 0.35; at 32 rows 9.3 / 7.1 and 0.47 / 0.46).
 _MAX_FUSED_ROWS_WITHOUT_AMX = 16
-# AVX2 (no AVX-512): x of any dtype is multiplied in float32, by the fused kernel or by float32 tiles
-# + MKL's sgemm, which win from ~40 rows (Zen 3, two threads, the default model's GGUF layers,
-# fused / tiled, ms, float32 x; bf16 x the same within noise): at 32 rows gate_up 1.24 / 1.40, down
-# 0.59 / 0.68, the int8 output head 20.0 / 20.7; at 48 rows 1.86 / 1.72, 0.87 / 0.85, 29.8 / 25.5;
-# at 64 rows 2.52 / 2.08, 1.16 / 1.01, 40.6 / 30.6.
-_MAX_FUSED_ROWS_AVX2 = 32
+# AVX2 (no AVX-512): x of any dtype is multiplied in float32, by the fused kernel up to 8 rows, then
+# against float32 panels of W for every batch (csrc/quant_linear.cpp; before them, float32 tiles +
+# MKL's sgemm took over from ~40 rows). Zen 3, two threads, the default model's GGUF layers, float32
+# x, fused / panels, ms: at 4 rows gate_up 0.27 / 0.36, down 0.13 / 0.18; at 8 rows 0.49 / 0.47 and
+# 0.24 / 0.26, the int8 output head 9.0 / 8.4; at 12 rows 0.72 / 0.69, 0.31 / 0.28, 12.6 / 11.0.
+_MAX_FUSED_ROWS_AVX2 = 8
+_MAX_PANEL_ROWS_AVX2 = 1 << 62
 # Dense bf16 W on a CPU with AVX512-BF16: W is kept only in the AMX tile layout
 # (layers/csrc/packed_linear.cpp), packed at load; its kernel serves every number of rows, on AMX
 # tiles where the CPU has them. Over the default model's 30 layers (2 threads, weights cold, SiLU *
@@ -58,6 +59,14 @@ _LOAD_CHUNK_VALUES = 1 << 18
 
 # The compiled matmul kernels, or None where they cannot be built (a cached call: every linear, every step).
 load_quant_kernels = load_kernels
+
+
+@functools.cache
+def _max_mid_rows() -> int:
+    """Rows of x up to which the CPU's mid-size kernel runs (AMX tiles for bf16 x, or float32 panels of
+    W on AVX2), beyond them dequantized tiles of W + at::mm."""
+    kernels = load_quant_kernels()
+    return _MAX_PANEL_ROWS_AVX2 if kernels is not None and kernels.vector_bits() == 256 else _MAX_AMX_ROWS
 
 
 @functools.cache
@@ -265,12 +274,12 @@ class GroupQuant(QuantMethod):
             if args is None or args[0] is not layer._buffers["qweight"]:  # first call, or tensors rebound
                 args = layer._kernel_args = (layer.qweight, layer.scales, layer.zeros, layer.factors,
                                              self.layer_group(layer), self.bits)
-            y = kernels.quant_linear(flat.contiguous(), *args, _max_fused_rows(x.dtype), _MAX_AMX_ROWS, _TILE_BYTES)
+            y = kernels.quant_linear(flat.contiguous(), *args, _max_fused_rows(x.dtype), _max_mid_rows(), _TILE_BYTES)
         return y.reshape(*x.shape[:-1], layer.out_features)
 
     def kernel_spec(self, layer, kernels):
         return kernels.LinearSpec(1, layer.qweight, layer.scales, layer.zeros, layer.factors, layer.bias,
-                                  self.layer_group(layer), self.bits, _max_fused_rows(layer.dtype), _MAX_AMX_ROWS,
+                                  self.layer_group(layer), self.bits, _max_fused_rows(layer.dtype), _max_mid_rows(),
                                   _TILE_BYTES)
 
     def dense(self, layer, dtype: torch.dtype) -> torch.Tensor:
