@@ -336,8 +336,9 @@ def test_paged_kernel_reads_quantized_cache(kv_dtype, dtype):
 
 
 def test_vector_bits_names_the_build():
-    """``vector_bits`` picks the fused kernel's row limit (methods._max_fused_rows): 256 only for the
-    AVX2 build, which has no bf16 arithmetic and packs dense bf16 weights as float32 strips."""
+    """``vector_bits`` picks the quantized kernels' row limits (methods._max_fused_rows, _max_mid_rows):
+    256 only for the AVX2 build, which has no bf16 arithmetic and packs dense bf16 weights as float32
+    strips."""
     kernels = _kernels()
     bits = kernels.vector_bits()
     assert bits in (0, 256, 512)

@@ -25,7 +25,8 @@ from kvserve.model.quant.registry import CheckpointTensor, QuantMethod, register
 # Quantized W, three CPU paths by rows of x (crossovers measured per layer on AVX512 + AMX, one
 # thread): up to _MAX_FUSED_ROWS the fused dequantize+dot kernel (reads each weight once); then, for
 # bf16, AMX tiles of W dequantized in registers (no per-call weight reorder, 1.3-1.9x at::mm for
-# 8-128 rows); beyond _MAX_AMX_ROWS (prefill) L2-sized dequantized tiles + at::mm.
+# 8-128 rows); beyond _MAX_AMX_ROWS (prefill) L2-sized dequantized tiles + at::mm. AVX2 CPUs have
+# float32 panels of W as their middle path, for every batch (_MAX_PANEL_ROWS_AVX2, below).
 _MAX_FUSED_ROWS = {torch.float32: 64, torch.bfloat16: 3, torch.float16: 4}
 _MAX_AMX_ROWS = 256
 # Without AMX, bf16 rows past the fused kernel go to the dequantized tiles + at::mm, which the fused
