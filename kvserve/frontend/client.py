@@ -292,13 +292,13 @@ class AsyncEngineClient:
             self._to_loop(self._deliver_error, None, EngineDeadError(f"the engine loop died: {e!r}"))
 
     def _load(self) -> LLMEngine:
-        """Build and warm up the engine; with ``freeze_gc``, then freeze what is alive (one full
-        collection first, ~150 ms, so no garbage is frozen with it)."""
+        """Build and warm up the engine; with ``freeze_gc``, then freeze what is alive. No full
+        collection first: at this point it found no garbage (0 unreachable objects of ~250K, the
+        default model) and took 150-220 ms of every start; anything it would have freed stays."""
         engine = LLMEngine(self.config)
         self._prefill_rate = engine.core.warm_up()
         logger.info("warm-up: prefill at %.0f tokens/s", self._prefill_rate)
         if self.freeze_gc:
-            gc.collect()
             gc.freeze()
             self._froze_gc = True
         return engine
