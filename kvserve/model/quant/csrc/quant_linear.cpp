@@ -290,110 +290,6 @@ at::Tensor fused(const QuantWeight& w, const at::Tensor& x) {
   return y.to(x.scalar_type());
 }
 
-#if !defined(__AVX512F__) && defined(KVSERVE_AVX2)
-// ---- AVX2: a batch of rows of x against float32 panels of W ------------------------------------------
-// Past a few rows the fused loop loses to its own overheads: it dequantizes W again for every
-// kFusedRows rows of x and loads x for every FMA. Here each strip of 16 rows of W is dequantized once
-// per call into a float32 panel (16 x K, in L2), and all rows of x meet it in a register-blocked dot
-// product: 3 rows of x by 4 rows of W, 12 accumulators, 7 loads and 12 FMAs per 8 inputs; the four
-// channels' sums are reduced together (hadd) and stored as one vector. On a Zen 3 (two threads, the
-// default model's GGUF layers, float32 x) it beat the fused loop from ~8 rows (at 32 rows the int4
-// gate_up 1.41 vs 1.62-2.09 ms, the int8 output head 22.7 vs 32.5-33.4 ms) and the dequantized tiles
-// + MKL's sgemm up to 1,024 rows (gate_up 38.9 vs 57.2 ms, the output head 628 vs 977 ms at 1,024;
-// only the small o_proj ran faster through sgemm past ~256 rows, 8.5 vs 6.8 ms).
-constexpr int kPanelRows = 16;  // rows of W per panel (one parallel task)
-constexpr int64_t kPanelBlockRows = 48;  // rows of x that pass over 4 rows of a panel before the next 4
-
-// The sums of a, b, c, d (lanes 0, 1, 2, 3).
-inline __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
-  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-}
-
-// y[m][0..3] = rows m < MR of x against 4 rows of the panel (each k floats), k a multiple of 8.
-template <int MR>
-inline void panel_dot(const float* x, int64_t ldx, const float* p, int64_t k, float* y, int64_t ldy) {
-  __m256 acc[MR * 4];
-#pragma GCC unroll 16
-  for (int i = 0; i < MR * 4; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t kk = 0; kk < k; kk += 8) {
-    __m256 xv[MR];
-#pragma GCC unroll 4
-    for (int m = 0; m < MR; ++m) xv[m] = _mm256_loadu_ps(x + m * ldx + kk);
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const __m256 wv = _mm256_load_ps(p + j * k + kk);
-#pragma GCC unroll 4
-      for (int m = 0; m < MR; ++m) acc[m * 4 + j] = _mm256_fmadd_ps(xv[m], wv, acc[m * 4 + j]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int m = 0; m < MR; ++m)
-    _mm_storeu_ps(y + m * ldy, reduce4(acc[m * 4], acc[m * 4 + 1], acc[m * 4 + 2], acc[m * 4 + 3]));
-}
-
-// Rows [n0, n0 + rows) of W as float32 rows of `panel` (k floats each); rows past `rows` are zero.
-template <int BITS>
-void dequant_panel(const QuantWeight& w, const int32_t* group_of, int64_t n0, int64_t rows, float* params,
-                   float* panel) {
-  const int64_t groups = w.groups(), chunks = w.k / 32;
-  for (int64_t i = 0; i < kPanelRows; ++i) {
-    float* dst = panel + i * w.k;
-    if (i >= rows) {
-      std::fill(dst, dst + w.k, 0.f);
-      continue;
-    }
-    row_params(w, n0 + i, params);
-    const uint8_t* row = w.data + (n0 + i) * w.row_bytes(BITS);
-    for (int64_t c = 0; c < chunks; ++c) {
-      __m256 v[4];
-      dequant_chunk<BITS>(row, c, params, groups, group_of[2 * c], group_of[2 * c + 1], v);
-      for (int j = 0; j < 4; ++j) _mm256_store_ps(dst + c * 32 + 8 * j, v[j]);
-    }
-  }
-}
-
-// y = x W^T through panels (w.k a multiple of 32), float32 x.
-template <int BITS>
-at::Tensor panel_linear(const QuantWeight& w, const at::Tensor& x) {
-  const at::Tensor x32 = x.to(at::kFloat).contiguous();
-  const int64_t m = x32.size(0), k = w.k, strips = (w.n + kPanelRows - 1) / kPanelRows;
-  at::Tensor y = at::empty({m, w.n}, x32.options());
-  const float* xp = x32.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const std::vector<int32_t> group_of = half_chunk_groups(w);
-  parallel_for_dynamic(0, strips, 1, [&](int64_t s0, int64_t s1) {
-    simd::aligned_vector<float> panel(kPanelRows * k), params(2 * w.groups()), tail;
-    for (int64_t s = s0; s < s1; ++s) {
-      const int64_t n0 = s * kPanelRows, rows = std::min<int64_t>(kPanelRows, w.n - n0);
-      dequant_panel<BITS>(w, group_of.data(), n0, rows, params.data(), panel.data());
-      // A strip past the end of W's rows is written to `tail` first, then its real channels to y.
-      float* dst = yp + n0;
-      int64_t ldy = w.n;
-      if (rows < kPanelRows) {
-        tail.assign(m * kPanelRows, 0.f);
-        dst = tail.data(), ldy = kPanelRows;
-      }
-      for (int64_t r0 = 0; r0 < m; r0 += kPanelBlockRows)
-        for (int64_t j = 0; j < rows; j += 4)
-          for (int64_t r = r0; r < std::min(m, r0 + kPanelBlockRows); r += 3) {
-            const float* xr = xp + r * k;
-            const float* p = panel.data() + j * k;
-            float* yr = dst + r * ldy + j;
-            switch (std::min<int64_t>(3, m - r)) {
-              case 3: panel_dot<3>(xr, k, p, k, yr, ldy); break;
-              case 2: panel_dot<2>(xr, k, p, k, yr, ldy); break;
-              default: panel_dot<1>(xr, k, p, k, yr, ldy); break;
-            }
-          }
-      if (rows < kPanelRows)
-        for (int64_t r = 0; r < m; ++r) std::copy(tail.data() + r * kPanelRows, tail.data() + r * kPanelRows + rows, yp + r * w.n + n0);
-    }
-  });
-  return y.to(x.scalar_type());
-}
-#endif
-
 // ---- int4 W x int8 x (VNNI): few rows of bf16 / float16 x ------------------------------------------
 // Each row of x is quantized once per call to int8 with a step dx per 32-input chunk (amax / 127), so
 // W's nibbles multiply x as bytes (vpdpbusd: 64 u8 x s8 products per instruction) instead of being
@@ -754,6 +650,25 @@ template <typename T, int BITS>
 void dequant_rows(const QuantWeight& w, int64_t n0, int64_t n1, T* out) {
   const int64_t num_groups = w.groups();
   std::vector<float> params(2 * num_groups);
+#if !defined(__AVX512F__) && defined(KVSERVE_AVX2)
+  if (std::is_same_v<T, float> && w.k % 32 == 0 && w.group % 16 == 0) {
+    // Whole chunks of 32 values, one 16-byte load each (the fused kernel's dequant_chunk): the AVX2
+    // panels dequantize every weight once per call, and the 8-value loop below made the int4 gate_up
+    // 1.8x as slow at 8 rows (0.88 vs 0.47 ms) and 1.26x at 32 (1.78 vs 1.41).
+    const std::vector<int32_t> group_of = half_chunk_groups(w);
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = w.data + n * w.row_bytes(BITS);
+      float* dst = reinterpret_cast<float*>(out) + (n - n0) * w.k;
+      row_params(w, n, params.data());
+      for (int64_t c = 0; c < w.k / 32; ++c) {
+        __m256 v[4];
+        dequant_chunk<BITS>(row, c, params.data(), num_groups, group_of[2 * c], group_of[2 * c + 1], v);
+        for (int j = 0; j < 4; ++j) _mm256_storeu_ps(dst + c * 32 + 8 * j, v[j]);
+      }
+    }
+    return;
+  }
+#endif
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w.data + n * w.row_bytes(BITS);
     T* dst = out + (n - n0) * w.k;
@@ -792,6 +707,90 @@ void dequant_rows(const QuantWeight& w, int64_t n0, int64_t n1, T* out) {
     }
   }
 }
+
+#if !defined(__AVX512F__) && defined(KVSERVE_AVX2)
+// ---- AVX2: a batch of rows of x against float32 panels of W ------------------------------------------
+// Past a few rows the fused loop loses to its own overheads: it dequantizes W again for every
+// kFusedRows rows of x and loads x for every FMA. Here each strip of 16 rows of W is dequantized once
+// per call into a float32 panel (16 x K, in L2), and all rows of x meet it in a register-blocked dot
+// product: 3 rows of x by 4 rows of W, 12 accumulators, 7 loads and 12 FMAs per 8 inputs; the four
+// channels' sums are reduced together (hadd) and stored as one vector. On a Zen 3 (two threads, the
+// default model's GGUF layers, float32 x) it beat the fused loop from ~8 rows (at 32 rows the int4
+// gate_up 1.41 vs 1.62-2.09 ms, the int8 output head 22.7 vs 32.5-33.4 ms) and the dequantized tiles
+// + MKL's sgemm up to 1,024 rows (gate_up 38.9 vs 57.2 ms, the output head 628 vs 977 ms at 1,024;
+// only the small o_proj ran faster through sgemm past ~256 rows, 8.5 vs 6.8 ms).
+constexpr int kPanelRows = 16;  // rows of W per panel (one parallel task)
+constexpr int64_t kPanelBlockRows = 48;  // rows of x that pass over 4 rows of a panel before the next 4
+
+// The sums of a, b, c, d (lanes 0, 1, 2, 3).
+inline __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// y[m][0..3] = rows m < MR of x against 4 rows of the panel (each k floats), k a multiple of 8.
+template <int MR>
+inline void panel_dot(const float* x, int64_t ldx, const float* p, int64_t k, float* y, int64_t ldy) {
+  __m256 acc[MR * 4];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR * 4; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t kk = 0; kk < k; kk += 8) {
+    __m256 xv[MR];
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) xv[m] = _mm256_loadu_ps(x + m * ldx + kk);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m256 wv = _mm256_load_ps(p + j * k + kk);
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) acc[m * 4 + j] = _mm256_fmadd_ps(xv[m], wv, acc[m * 4 + j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m)
+    _mm_storeu_ps(y + m * ldy, reduce4(acc[m * 4], acc[m * 4 + 1], acc[m * 4 + 2], acc[m * 4 + 3]));
+}
+
+// y = x W^T through panels (w.k a multiple of 32), float32 x.
+template <int BITS>
+at::Tensor panel_linear(const QuantWeight& w, const at::Tensor& x) {
+  const at::Tensor x32 = x.to(at::kFloat).contiguous();
+  const int64_t m = x32.size(0), k = w.k, strips = (w.n + kPanelRows - 1) / kPanelRows;
+  at::Tensor y = at::empty({m, w.n}, x32.options());
+  const float* xp = x32.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  parallel_for_dynamic(0, strips, 1, [&](int64_t s0, int64_t s1) {
+    simd::aligned_vector<float> panel(kPanelRows * k), tail;
+    for (int64_t s = s0; s < s1; ++s) {
+      // A partial strip leaves the panel's last rows as they were: their sums land in channels past
+      // W's rows, which are dropped (each accumulator holds one channel).
+      const int64_t n0 = s * kPanelRows, rows = std::min<int64_t>(kPanelRows, w.n - n0);
+      dequant_rows<float, BITS>(w, n0, n0 + rows, panel.data());
+      // A strip past the end of W's rows is written to `tail` first, then its real channels to y.
+      float* dst = yp + n0;
+      int64_t ldy = w.n;
+      if (rows < kPanelRows) {
+        tail.assign(m * kPanelRows, 0.f);
+        dst = tail.data(), ldy = kPanelRows;
+      }
+      for (int64_t r0 = 0; r0 < m; r0 += kPanelBlockRows)
+        for (int64_t j = 0; j < rows; j += 4)
+          for (int64_t r = r0; r < std::min(m, r0 + kPanelBlockRows); r += 3) {
+            const float* xr = xp + r * k;
+            const float* p = panel.data() + j * k;
+            float* yr = dst + r * ldy + j;
+            switch (std::min<int64_t>(3, m - r)) {
+              case 3: panel_dot<3>(xr, k, p, k, yr, ldy); break;
+              case 2: panel_dot<2>(xr, k, p, k, yr, ldy); break;
+              default: panel_dot<1>(xr, k, p, k, yr, ldy); break;
+            }
+          }
+      if (rows < kPanelRows)
+        for (int64_t r = 0; r < m; ++r) std::copy(tail.data() + r * kPanelRows, tail.data() + r * kPanelRows + rows, yp + r * w.n + n0);
+    }
+  });
+  return y.to(x.scalar_type());
+}
+#endif
 
 template <typename T, int BITS>
 at::Tensor tiled(const QuantWeight& w, const at::Tensor& x, int64_t tile_bytes) {
