@@ -164,22 +164,23 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     # ---- the loop -----------------------------------------------------------------------------
-    def warm_up(self, num_tokens: int = 64, rounds: int = 2) -> float:
-        """Prefill ``num_tokens`` synthetic tokens ``rounds`` times; returns the last round's rate in
-        tokens/s. A fresh process's first steps pay one-time costs (worker threads starting, buffers
-        touched for the first time): a server pays them at load rather than in its first request's
-        latency, and learns how long a prefill takes here (frontend/client.py sizes its burst window
-        by it). Nothing is left behind: no cached blocks, the step counters as they were."""
+    def warm_up(self, num_tokens: int = 64, first_tokens: int = 8) -> float:
+        """Prefill ``first_tokens`` synthetic tokens, then ``num_tokens``; returns the second prefill's
+        rate in tokens/s. A fresh process's first steps pay one-time costs (worker threads starting,
+        buffers touched for the first time): a server pays them at load rather than in its first
+        request's latency, and learns how long a prefill takes here (frontend/client.py sizes its
+        burst window by it). The first round is short: it is there for those costs, not to be timed.
+        Nothing is left behind: no cached blocks, the step counters as they were."""
         if self.has_unfinished():
             raise RuntimeError("warm_up needs an idle engine")
-        n = max(1, min(num_tokens, self.max_model_len - 1, self.config.scheduler.max_num_batched_tokens))
+        limit = min(self.max_model_len - 1, self.config.scheduler.max_num_batched_tokens)
         kv, counters = self.kv_cache, (self.num_steps, self.num_batched_tokens)
         caching, kv.enable_prefix_caching = kv.enable_prefix_caching, False
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         try:
-            for i in range(rounds):
-                prompt = [(31 * j + i) % self.model_config.vocab_size for j in range(n)]
-                self.add_request(f"warm-up-{i}", prompt, params)
+            for i, n in enumerate((first_tokens, num_tokens)):
+                n = max(1, min(n, limit))
+                self.add_request(f"warm-up-{i}", [(31 * j + i) % self.model_config.vocab_size for j in range(n)], params)
                 start = time.perf_counter()
                 while self.has_unfinished():
                     self.step()

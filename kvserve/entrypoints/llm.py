@@ -5,8 +5,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from tqdm.auto import tqdm
-
 from kvserve.config import CUDA_TOKEN_BUDGET, CacheConfig, EngineConfig, QuantConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.engine.heap import frozen_heap
 from kvserve.engine.llm_engine import LLMEngine
@@ -108,6 +106,8 @@ class LLM:
         return self._run(ids, use_tqdm if use_tqdm is not None else len(prompts) >= 16)
 
     def _run(self, ids: list[str], show_progress: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm  # here, not at the top: `kvserve serve` imports this module, not tqdm.auto
+
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not show_progress, unit="req")
         try:

@@ -18,15 +18,23 @@ from __future__ import annotations
 
 import codecs
 import functools
+import hashlib
 import json
+import os
 import re
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte -> character map
 
+from kvserve.frontend.tokenizer import cache_dir
+
 _CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token, for correct spacing
+_TABLE_FORMAT = "token-bytes-1"  # part of the cache key: change it when the table's rules change
 
 
 @dataclass
@@ -117,8 +125,8 @@ class TokenBytes:
 def token_bytes_table(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> TokenBytes | None:
     """The byte table of a fast tokenizer whose decoder maps each token to fixed bytes (byte-level BPE,
     SentencePiece's pieces); None for any other. The table is checked against the tokenizer's own
-    decode of every token, after another token and on its own (~0.15 s for 49K tokens), so a
-    tokenizer with any other decoding rule keeps the general path.
+    decode of every token, after another token and on its own, so a tokenizer with any other
+    decoding rule keeps the general path.
 
     Invalid UTF-8 (a model's stray byte tokens) becomes one U+FFFD per maximal invalid sequence, as
     Python and the ByteLevel decoder write it; SentencePiece's ByteFallback writes one per byte of a
@@ -126,10 +134,27 @@ def token_bytes_table(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: b
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return None
+    special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special} if skip_special_tokens else set()
+    # Building and checking the table takes 0.3-0.5 s for 49K tokens, so a server start reads it back
+    # from the cache folder, keyed by everything it depends on.
+    key = hashlib.sha256(f"{_TABLE_FORMAT}\n{sorted(special)}\n{backend.to_str()}".encode()).hexdigest()[:32]
+    path = cache_dir() / "token_bytes" / f"{key}.npz"
+    try:
+        return _read_table(path)
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+        pass  # not cached yet, or a damaged file: build it
+    table = _build_table(backend, special, skip_special_tokens)
+    try:
+        _write_table(path, table)
+    except OSError:
+        pass  # a read-only cache folder: build it at every start instead
+    return table
+
+
+def _build_table(backend, special: set[int], skip_special_tokens: bool) -> TokenBytes | None:
     to_bytes = _piece_bytes(backend.decoder)
     if to_bytes is None:
         return None
-    special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special} if skip_special_tokens else set()
     ids = range(backend.get_vocab_size(with_added_tokens=True))
     pieces = [backend.id_to_token(i) for i in ids]
     table = tuple(b"" if piece is None or i in special else to_bytes(piece) for i, piece in zip(ids, pieces))
@@ -141,6 +166,31 @@ def token_bytes_table(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: b
     if any(decode([anchor, i]) != head + text for i, text in zip(ids, texts)):
         return None
     return TokenBytes(table, first_as_is=all(decode([i]) == text for i, text in zip(ids, texts)))
+
+
+def _write_table(path: Path, table: TokenBytes | None) -> None:
+    """One .npz (no pickles): the pieces' lengths and their bytes back to back, or nothing for None."""
+    pieces = table.pieces if table is not None else ()
+    lengths = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
+    data = np.frombuffer(b"".join(pieces), dtype=np.uint8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    with open(partial, "wb") as f:
+        np.savez(f, usable=table is not None, first_as_is=table is not None and table.first_as_is,
+                 lengths=lengths, data=data)
+    os.replace(partial, path)  # readers never see half a file
+
+
+def _read_table(path: Path) -> TokenBytes | None:
+    with np.load(path, allow_pickle=False) as f:
+        if not bool(f["usable"]):
+            return None
+        data, ends = f["data"].tobytes(), np.cumsum(f["lengths"]).tolist()
+        first_as_is = bool(f["first_as_is"])
+    starts = [0] + ends[:-1]
+    if ends and ends[-1] != len(data):
+        raise ValueError(f"{path}: lengths and data disagree")
+    return TokenBytes(tuple(data[a:b] for a, b in zip(starts, ends)), first_as_is)
 
 
 def _piece_bytes(decoder) -> Callable[[str], bytes] | None:

@@ -7,10 +7,14 @@ from there, keyed by the file's name, size and modification time.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+# What transformers writes as the class of a plain fast tokenizer (v5 calls it TokenizersBackend).
+_PLAIN_FAST = {"TokenizersBackend", "PreTrainedTokenizerFast", PreTrainedTokenizerFast.__name__}
 
 
 def cache_dir() -> Path:
@@ -19,17 +23,34 @@ def cache_dir() -> Path:
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     if path.is_dir():
-        return AutoTokenizer.from_pretrained(str(path))
+        return _auto_tokenizer(path)
     stat = path.stat()
     cached = cache_dir() / "tokenizers" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
     if (cached / "tokenizer.json").is_file():
         try:
-            return AutoTokenizer.from_pretrained(str(cached))
+            return _load_cached(cached)
         except (OSError, ValueError):
             pass  # a damaged cache entry: rebuild it below
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer = _auto_tokenizer(path.parent, gguf_file=path.name)
     try:
         tokenizer.save_pretrained(str(cached))
     except OSError:
         pass  # read-only home: still works, just slower next time
     return tokenizer
+
+
+def _load_cached(folder: Path) -> PreTrainedTokenizerBase:
+    """A saved conversion: the plain fast tokenizer class directly when that is what was saved,
+    which AutoTokenizer would pick too, without importing AutoTokenizer's registry of every model."""
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    if config.get("tokenizer_class") in _PLAIN_FAST:
+        return PreTrainedTokenizerFast.from_pretrained(str(folder))
+    return _auto_tokenizer(folder)
+
+
+def _auto_tokenizer(folder: Path, **kwargs) -> PreTrainedTokenizerBase:
+    # Imported here, not at the top: the import alone takes 0.5-0.8 s of a server's start, and a
+    # cached GGUF conversion (the default model) does without it.
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), **kwargs)

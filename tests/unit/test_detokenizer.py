@@ -82,6 +82,36 @@ def test_other_decoders_keep_the_general_path(tokenizer, monkeypatch):
         token_bytes_table.cache_clear()
 
 
+def test_table_is_read_back_from_the_cache_folder(tokenizer, tmp_path, monkeypatch):
+    """A second process reads the checked table instead of building it; a damaged file is rebuilt;
+    "no table" is remembered too."""
+    from kvserve.frontend import detokenizer
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    token_bytes_table.cache_clear()
+    try:
+        built = token_bytes_table(tokenizer, True)
+        files = list((tmp_path / "token_bytes").glob("*.npz"))
+        assert built is not None and len(files) == 1
+        token_bytes_table.cache_clear()
+        with monkeypatch.context() as m:
+            m.setattr(detokenizer, "_build_table", lambda *args: pytest.fail("built again"))
+            assert token_bytes_table(tokenizer, True) == built
+        files[0].write_bytes(b"PK\x03\x04 not a zip")
+        token_bytes_table.cache_clear()
+        assert token_bytes_table(tokenizer, True) == built
+        assert token_bytes_table(tokenizer, False) != built  # special tokens written: another key
+        words = word_tokenizer(64)
+        assert token_bytes_table(words, True) is None
+        token_bytes_table.cache_clear()
+        with monkeypatch.context() as m:
+            m.setattr(detokenizer, "_build_table", lambda *args: pytest.fail("built again"))
+            assert token_bytes_table(words, True) is None
+        assert len(list((tmp_path / "token_bytes").glob("*.npz"))) == 3
+    finally:
+        token_bytes_table.cache_clear()
+
+
 @pytest.mark.parametrize("chunk", [1, 3])
 def test_byte_level_path_streams_what_the_general_path_does(tokenizer, monkeypatch, chunk):
     """The same final text and stop; each step's text so far at least the general path's (which holds a

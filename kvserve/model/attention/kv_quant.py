@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.model.host_memory import zeroed
+
 SCALE_BYTES = 2  # float16
 _MAX = {"int8": 127.0, "fp8": 448.0}
 _TINY = 2.0**-24  # a scale never rounds to 0 in float16
@@ -37,8 +39,7 @@ class KVQuantFormat:
     def allocate(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  device: torch.device) -> torch.Tensor:
         # Zeroed: a zero row with a zero scale dequantizes to 0, never NaN (see TorchAttentionBackend).
-        return torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim + SCALE_BYTES, dtype=torch.uint8,
-                           device=device)
+        return zeroed((2, num_blocks, block_size, num_kv_heads, head_dim + SCALE_BYTES), torch.uint8, device)
 
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., D] float -> packed rows [..., D + 2] uint8 (values, then the float16 scale)."""

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from kvserve.model.attention.backend import AttentionMetadata, register_backend
 from kvserve.model.attention.kv_quant import kv_quant_format
 from kvserve.model.cpu_kernels import load_kernels
+from kvserve.model.host_memory import zeroed
 
 _KERNEL_KINDS = {None: 0, "int8": 1, "fp8": 2}  # cache kinds of paged_decode.cpp and paged_prefill.cpp
 
@@ -44,7 +45,7 @@ class TorchAttentionBackend:
             return self.kv_format.allocate(num_blocks, block_size, num_kv_heads, head_dim, device)
         # Zeroed, not empty: padded block-table entries and unwritten slots are read under a mask,
         # and a masked 0 weight times a garbage NaN would still poison the output.
-        return torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        return zeroed((2, num_blocks, block_size, num_kv_heads, head_dim), dtype, device)
 
     def fused_cache_kind(self, device: torch.device) -> int | None:
         """The cache kind a fused C++ decode step (models/llama_decode.py) passes to the paged kernel
