@@ -54,6 +54,7 @@ class ServerProcess:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.startup_statuses: list[int] = []  # /health answers seen while waiting for 200
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-server-", suffix=".log", delete=False)
+        self._final_log: str | None = None  # the log's tail once the server has stopped and the file is gone
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
         cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", *args, "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -68,6 +69,9 @@ class ServerProcess:
         return self.base_url + path
 
     def log_text(self) -> str:
+        """The last 5,000 characters the server wrote (kept in memory once it has stopped)."""
+        if self._final_log is not None:
+            return self._final_log
         return Path(self.log.name).read_text()[-5000:]
 
     def metric(self, name: str, **labels: str) -> float | None:
@@ -85,7 +89,8 @@ class ServerProcess:
         return got
 
     def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM (graceful shutdown), then wait; returns the exit code."""
+        """SIGTERM (graceful shutdown), then wait; returns the exit code. The log file is removed
+        (its tail stays readable through ``log_text``), so that runs leave nothing in the temp folder."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -93,6 +98,10 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self._final_log is None:
+            self._final_log = self.log_text()
+            self.log.close()
+            Path(self.log.name).unlink(missing_ok=True)
         return self.proc.returncode
 
     def __enter__(self) -> ServerProcess:
