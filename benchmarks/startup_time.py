@@ -27,7 +27,7 @@ def lap(name):
 import torch; lap("import torch")
 import transformers, fastapi, uvicorn, kvserve; lap("import transformers, fastapi, uvicorn, kvserve")
 from kvserve.model.default_model import verified_default_model_path
-path = verified_default_model_path(); lap("sha256 of the GGUF file")
+path = verified_default_model_path(); lap("sha256 of the GGUF file (checked once per file version)")
 from kvserve.model import gguf_file
 gguf_file.read_config(path); lap("GGUF header (cached index; gguf.GGUFReader on a first start)")
 from kvserve.model.loader import auto_dtype, load_model

@@ -16,6 +16,7 @@ from kvserve.config import EngineConfig, ModelConfig
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.kv_cache.sizing import kv_bytes_per_token, kv_element_bytes, num_kv_blocks_for_budget
 from kvserve.model.attention.backend import get_backend
+from kvserve.model.host_memory import check_fits
 from kvserve.model.loader import auto_dtype, load_model, resolve_model_path
 from kvserve.model.quant.registry import describe_quantization, weight_bytes
 from kvserve.scheduler.output import SchedulerOutput
@@ -99,6 +100,9 @@ class EngineCore:
         self.kv_info = size_kv_cache(config, self.model_config)
         self.memory = MemoryReport.of(model, self.kv_info, config)
         log.info("memory: %s", self.memory.summary())
+        if device.type == "cpu":  # its pages are committed as they are written: refuse now, not under load
+            check_fits(self.memory.kv_cache_bytes, "the KV cache",
+                       "lower --kv-cache-memory (kv_cache_memory_bytes) or --num-kv-blocks")
         self.max_model_len = min(self.model_config.max_position, config.scheduler.max_model_len or 1 << 62,
                                  self.kv_info.capacity_tokens)
         self.kv_cache = KVCacheManager(self.kv_info.num_blocks, self.kv_info.block_size,

@@ -30,3 +30,22 @@ def test_kv_caches_start_zeroed():
     assert cache.shape == (2, 64, 16, 3, 64) and not cache.any()
     rows = KVQuantFormat("int8").allocate(64, 16, 3, 64, cpu)
     assert not rows.any() and not KVQuantFormat("int8").dequantize(rows, torch.float32).isnan().any()
+
+
+def test_a_kv_cache_larger_than_free_memory_is_refused_at_start(tiny_llama, monkeypatch):
+    """Its pages are committed only as they are written, so the check has to be made up front."""
+    from kvserve import LLM
+    from kvserve.model import host_memory
+
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 2**20)
+    with pytest.raises(ValueError, match=r"the KV cache needs 0\.0\d GiB but only 0\.00 GiB .* lower --kv-cache-memory"):
+        LLM(model=str(tiny_llama), kv_cache_memory_bytes=64 * 2**20)
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: None)  # unknown: no check
+    LLM(model=str(tiny_llama), kv_cache_memory_bytes=64 * 2**20)
+
+
+def test_available_bytes_reads_the_os():
+    from kvserve.model.host_memory import available_bytes
+
+    free = available_bytes()
+    assert free is None or 0 < free < 2**50

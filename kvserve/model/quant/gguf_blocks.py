@@ -176,7 +176,7 @@ def _as_stored(blocks: GGUFBlocks, bits: int, group: int, has_zeros: bool):
     """Q4_0 / Q4_1 / Q8_0 in groups of 32 without decoding: their value bytes are the kernels' layout
     already (a Q4 block's byte j holds value j in its low nibble and value j + 16 in its high one,
     as ``pack_int4`` packs), and their scales (and mins) are float16 in the file. Loading the
-    default model's 121 matrices this way takes ~0.1 s instead of ~0.45 s. None for anything else."""
+    default model's 121 matrices this way took 0.22 s instead of 0.47 s. None for anything else."""
     name, (rows, cols) = blocks.type_name, blocks.shape
     if group != 32 or (bits, name) not in ((4, "Q4_0"), (4, "Q4_1"), (8, "Q8_0")) or (name == "Q4_0" and not has_zeros):
         return None
