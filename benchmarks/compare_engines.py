@@ -74,7 +74,7 @@ class Server:
 # ---- the engines ---------------------------------------------------------------------------------
 
 def kvserve_server(args: argparse.Namespace, workload: Workload, port: int) -> Server:
-    cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--dtype", "bfloat16", "--quantization", "none",
+    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--dtype", "bfloat16", "--quantization", "none",
            "--port", str(port),
            "--max-num-seqs", str(max(64, workload.num_requests)), "--kv-cache-memory", "2", *args.kvserve_args]
     return Server("kvserve", cmd, port, env={"PYTHONPATH": str(REPO)})
@@ -200,7 +200,7 @@ def wait_healthy(server: Server, proc: subprocess.Popen) -> float:
 
 
 def bench_serve(server: Server, workload: Workload, vocab_size: int, extra: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "bench", "serve", "--base-url",
+    cmd = [sys.executable, "-m", "kvserve.cli", "bench", "serve", "--base-url",
            f"http://127.0.0.1:{server.port}", "--json", "--no-progress", "--vocab-size", str(vocab_size),
            *workload.bench_args(), *(["--model", server.model] if server.model else []), *extra]
     out = subprocess.run(cmd, check=False, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -117,7 +117,7 @@ def run_speed(device: str, workdir: Path, out: Path, dry_run: bool, size: str = 
     result = {"model_shape": shape, "write_seconds": round(time.perf_counter() - start, 1)}
     modes = (("cuda_graphs", []), ("eager", ["--enforce-eager"])) if size == "1b" else (("cuda_graphs", []),)
     for name, extra in modes:
-        cmd = [sys.executable, "-c", "import sys; from kvserve.entrypoints.cli import main; sys.exit(main())",
+        cmd = [sys.executable, "-c", "import sys; from kvserve.cli import main; sys.exit(main())",
                "bench", "roofline", "--model", str(path), "--device", device, "--dtype", "bfloat16",
                "--batch-sizes", batch_sizes, "--kv-cache-memory", "0.05" if dry_run else "40",
                "--prompt-len", "16" if dry_run else "128", "--single-output-len", "8" if dry_run else "256",

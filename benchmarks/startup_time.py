@@ -44,7 +44,7 @@ print(json.dumps(stages))
 
 def time_to_health(dtype: str, extra: list[str], timeout: float = 300.0) -> float:
     port = free_port()
-    cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--dtype", dtype, "--port", str(port),
+    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--dtype", dtype, "--port", str(port),
            "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

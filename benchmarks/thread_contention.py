@@ -42,7 +42,7 @@ def worker(args: argparse.Namespace) -> None:
     # kvserve first (isort would put torch first): it sets the OpenMP wait policy before torch loads.
     from kvserve import LLM, SamplingParams  # noqa: I001
     from kvserve.bench.workloads import random_requests
-    from kvserve.worker.threads import openmp_waits_passively
+    from kvserve.runtime.threads import openmp_waits_passively
 
     import torch
 

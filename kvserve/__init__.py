@@ -1,9 +1,9 @@
 """kvserve: an LLM inference-serving engine small enough to read."""
 
 # First, before anything loads torch: OpenMP reads its wait policy once, when torch loads it.
-from kvserve.worker import threads as _threads  # noqa: F401, I001
+from kvserve.runtime import threads as _threads  # noqa: F401, I001
 from kvserve.entrypoints.llm import LLM
-from kvserve.types import RequestOutput, SamplingParams
+from kvserve.types import VERSION, RequestOutput, SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
-__version__ = "0.1.0"
+__version__ = VERSION

@@ -1,11 +1,16 @@
 """Configuration dataclasses, one per concern.
 
-Every user-facing value is checked here, once, and a bad one raises ``ValueError`` naming the
-field, the value and the allowed range, so the rest of the engine can trust its config.
+Every user-facing value is defined here, once: its name, default, help text and allowed values
+(``option``); the CLI flags and ``LLM(...)`` keywords are made from these fields (``engine_options``).
+Every value is checked here too, and a bad one raises ``ValueError`` naming the field, the value and
+the allowed range, so the rest of the engine can trust its config.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +20,19 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 QUANTIZATIONS = ("none", "int8", "int4")
 QUANT_GROUP_SIZES = (-1, 32, 64, 128)  # -1: one scale per output channel (int8 only)
+
+
+def option(default: Any = None, help: str = "", *, name: str | None = None, choices: tuple | None = None,
+           flag: str | None = None, parse: Callable[[str], Any] | None = None) -> Any:
+    """A config field users set. ``name``: its flat option name (``LLM(name=...)``, ``--name``) where the
+    field's own would be ambiguous; ``flag``: a CLI flag other than ``--name``; ``parse``: how the CLI
+    reads the flag's text when it is not the field's own type (e.g. GiB for a byte count)."""
+    meta = {"help": help, "name": name, "choices": choices, "flag": flag, "parse": parse}
+    return field(default=default, metadata={"option": meta})
+
+
+def _gib(text: str) -> int:
+    return int(float(text) * 1024**3)
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -112,13 +130,15 @@ class ModelConfig:
 class CacheConfig:
     """Paged KV cache: block size and how many blocks (or how many bytes) to preallocate."""
 
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = 1024**3
-    enable_prefix_caching: bool = True  # reuse the KV of full blocks shared with earlier requests
-    # "auto": the model dtype; "int8" / "fp8" (float8_e4m3): one byte per value plus a float16 scale
-    # per token and head, about half the bytes per token of a bf16 cache (model/attention/kv_quant.py)
-    kv_cache_dtype: str = "auto"
+    block_size: int = option(16, "tokens per KV-cache block")
+    num_kv_blocks: int | None = option(None, "KV blocks to preallocate (default: as many as the KV-cache budget holds)")
+    kv_cache_memory_bytes: int = option(1024**3, "KV-cache budget in GiB (default 1)", flag="--kv-cache-memory",
+                                        parse=_gib)
+    enable_prefix_caching: bool = option(True, "reuse the KV of full blocks shared with earlier requests",
+                                         flag="--prefix-caching")
+    # one byte per value plus a float16 scale per token and head: about half a bf16 cache's bytes per token
+    kv_cache_dtype: str = option("auto", "KV cache values: auto = the model dtype; int8, or fp8 (e4m3), with a "
+                                 "scale per token and head (model/attention/kv_quant.py)", choices=KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -143,8 +163,10 @@ class QuantConfig:
     Both round to nearest at load.
     """
 
-    quantization: str | None = None
-    group_size: int | None = None  # -1 (per channel, int8), 32, 64 or 128; None = 32
+    quantization: str | None = option(None, "weights: unset keeps a GGUF file's own 4/8-bit blocks; none = dense "
+                                      "in the engine dtype; int8 / int4 quantized at load", choices=QUANTIZATIONS)
+    group_size: int | None = option(None, "inputs per scale for int8/int4 (default 32); -1 = one scale per output "
+                                    "channel (int8)", name="quantization_group_size", choices=QUANT_GROUP_SIZES)
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -172,17 +194,19 @@ class SchedulerConfig:
     over by four steps' token budget of later arrivals goes next, so long prompts wait a bounded time
     (scheduler/policies.py). "fcfs": arrival order (preferring a cached prefix among the next few).
 
-    ``max_num_batched_tokens``: 1024 by default. A burst's prompts then come out in steps of ~0.25 s
-    on two CPU cores instead of ~0.5 s: W2's median first token came 10% sooner than at 2048 for the
-    same throughput (benchmarks/RESULTS.md, session 11), and running requests stall half as long.
-    On CUDA ``engine_config`` makes it ``CUDA_TOKEN_BUDGET`` unless given: an eager GPU step is mostly
-    kernel launches, 10-15 ms for a 128-token prompt and ~26 ms for 8,192 tokens (an H200, session 13).
+    ``max_num_batched_tokens``: 1024 by default on the CPU, where a step's time grows with its tokens:
+    a burst's prompts then come out in steps of about a quarter second on two cores, and running
+    requests stall half as long as at 2048 for the same throughput. On CUDA ``engine_config`` makes it
+    ``CUDA_TOKEN_BUDGET`` unless given, since an eager GPU step is mostly kernel launches.
     """
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    max_model_len: int | None = None
-    policy: str = "shortest-first"
+    max_num_seqs: int = option(64, "requests running at once")
+    max_num_batched_tokens: int = option(1024, f"tokens per step (default 1024 on the CPU, {CUDA_TOKEN_BUDGET} on "
+                                         "CUDA)")
+    max_model_len: int | None = option(None, "longest prompt + output in tokens (default: the model's context)")
+    policy: str = option("shortest-first", "admission order within a priority: fewest tokens to compute first "
+                         "(shortest-first: lower time to first token under bursts, bounded wait for long prompts), "
+                         "or arrival order (fcfs)", name="scheduling_policy", choices=SCHEDULING_POLICIES)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -195,21 +219,27 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 1")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding: a proposer guesses up to ``num_speculative_tokens`` tokens per request and
     one target forward pass verifies them all. ``max_batch_size``: speculate only while at most this
     many requests are decoding, since at large batches decode is no longer memory-bound."""
 
-    method: str | None = None  # None (off), "ngram" or "draft"
-    num_speculative_tokens: int = 4
-    model: str | None = None  # the draft model (same tokenizer), for method "draft"
-    ngram_min: int = 1
-    ngram_max: int = 4
-    max_batch_size: int = 8
+    method: str | None = option(None, "speculative decoding: off (unset), ngram (prompt lookup) or draft (a "
+                                "smaller model)", name="speculative_method", choices=SPECULATIVE_METHODS)
+    num_speculative_tokens: int = option(4, "tokens proposed per request and step")
+    model: str | None = option(None, "draft model (same tokenizer) for --speculative-method draft",
+                               name="speculative_model")
+    ngram_min: int = option(1, "shortest n-gram matched", name="speculative_ngram_min")
+    ngram_max: int = option(4, "longest n-gram matched", name="speculative_ngram_max")
+    max_batch_size: int = option(8, "speculate only while at most this many requests are decoding",
+                                 name="speculative_max_batch_size")
 
     def __post_init__(self) -> None:
-        if self.method not in (None, "ngram", "draft"):
+        if self.method is not None and self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_method={self.method!r} must be None, 'ngram' or 'draft'")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be in [1, 16]")
@@ -228,21 +258,22 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 class EngineConfig:
     """Everything the engine needs; built by `LLM` or the server from user options."""
 
-    model: str | None = None
-    # "auto": what the checkpoint and the device suit (model/loader.py auto_dtype); EngineCore
-    # replaces it with the name it resolves to before anything reads torch_dtype.
-    dtype: str = "auto"
-    seed: int = 0
-    device: str = "cpu"
+    model: str | None = option(None, "HF model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    # EngineCore replaces "auto" with the name it resolves to before anything reads torch_dtype.
+    dtype: str = option("auto", "auto: bfloat16 for a 16-bit or GGUF checkpoint where the device computes it "
+                        "natively, else float32 (model/loader.py auto_dtype)", choices=("auto", *_DTYPES))
+    seed: int = option(0, "seed of the sampler's shared random stream")
+    device: str = option("cpu", "cpu, cuda or cuda:N")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
-    # "auto": the device's best backend (C++ kernels on the CPU, Triton on CUDA); "torch": the PyTorch
-    # reference path; "triton": the Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1 for tests).
-    attention_backend: str = "auto"
-    # CUDA only: run decode steps eagerly instead of replaying captured CUDA graphs.
-    enforce_eager: bool = False
+    attention_backend: str = option("auto", "auto: C++ kernels on the CPU, Triton on CUDA; torch: the PyTorch "
+                                    "reference path; triton: the Triton kernels (on the CPU under TRITON_INTERPRET=1)",
+                                    choices=ATTENTION_BACKENDS)
+    enforce_eager: bool = option(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+    num_threads: int | None = option(None, "torch threads for this process (default: $KVSERVE_NUM_THREADS, else "
+                                     "every available core; runtime/threads.py)")
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":
@@ -251,9 +282,65 @@ class EngineConfig:
             raise ValueError(f"device={self.device!r} must be 'cpu' or 'cuda[:N]'")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} must be one of {ATTENTION_BACKENDS}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads={self.num_threads} must be >= 1")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             raise RuntimeError("dtype='auto' is resolved when the engine loads the model (EngineCore)")
         return parse_dtype(self.dtype)
+
+
+_SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "speculative": SpeculativeConfig, "quant": QuantConfig}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One user option, read off its config field: ``LLM(name=...)`` and the CLI flag ``flag``."""
+
+    name: str
+    section: str | None  # the EngineConfig section holding the field, None for EngineConfig's own
+    field: str
+    default: Any
+    kind: str  # the field's type: "int", "float", "str" or "bool"
+    help: str
+    choices: tuple | None
+    flag: str
+    parse: Callable[[str], Any] | None
+
+
+@functools.cache
+def engine_options() -> tuple[Option, ...]:
+    """Every option of EngineConfig and its sections, in definition order."""
+    out = []
+    for section, cls in [(None, EngineConfig), *_SECTIONS.items()]:
+        for f in dataclasses.fields(cls):
+            meta = f.metadata.get("option")
+            if meta is None:
+                continue
+            name = meta["name"] or f.name
+            kind = next(t.strip() for t in str(f.type).split("|") if t.strip() != "None")
+            out.append(Option(name, section, f.name, f.default, kind, meta["help"], meta["choices"],
+                              meta["flag"] or "--" + name.replace("_", "-"), meta["parse"]))
+    return tuple(out)
+
+
+def engine_config(**options: Any) -> EngineConfig:
+    """The EngineConfig for flat options (``engine_options``): what ``LLM(...)`` and the CLI build.
+
+    Unknown names raise ValueError listing the known ones; each value is checked by its section.
+    """
+    known = {o.name: o for o in engine_options()}
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+    if options.get("max_num_batched_tokens") is None:  # the device's default token budget
+        options["max_num_batched_tokens"] = (CUDA_TOKEN_BUDGET if str(options.get("device", "cpu")).startswith("cuda")
+                                             else SchedulerConfig.max_num_batched_tokens)
+    own: dict[str, Any] = {}
+    sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    for name, value in options.items():
+        o = known[name]
+        (own if o.section is None else sections[o.section])[o.field] = value
+    return EngineConfig(**own, **{name: cls(**sections[name]) for name, cls in _SECTIONS.items()})

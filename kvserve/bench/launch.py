@@ -56,7 +56,7 @@ class ServerProcess:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-server-", suffix=".log", delete=False)
         self._final_log: str | None = None  # the log's tail once the server has stopped and the file is gone
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-        cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", *args, "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "kvserve.cli", "serve", *args, "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         try:
             self.seconds_to_healthy = wait_for_health(self.base_url, self.proc, startup_timeout,

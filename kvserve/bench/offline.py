@@ -93,15 +93,15 @@ def run(args) -> int:
         model = load_hf_model(llm.engine.core.model_path, llm.engine.config.torch_dtype)
         results.append(run_hf_sequential(model, reqs[:args.hf_sequential_requests]))
         results.append(run_hf_static_batch(model, reqs))
-    report(results, args)
+    report(results, args, llm.engine.config.dtype)
     return 0
 
 
-def report(results: list[Result], args) -> None:
+def report(results: list[Result], args, dtype: str) -> None:
     base = results[0].tokens_per_s
     rows = [{**asdict(r), "tokens_per_s": r.tokens_per_s, "kvserve_speedup": base / r.tokens_per_s} for r in results]
     if args.json:
-        print(json.dumps({"dtype": args.dtype, "num_requests": args.num_requests, "results": rows}, indent=2))
+        print(json.dumps({"dtype": dtype, "num_requests": args.num_requests, "results": rows}, indent=2))
         return
     print(f"{'engine':34} {'requests':>8} {'out tokens':>10} {'seconds':>8} {'tok/s':>8} {'kvserve x':>9}")
     for r in rows:

@@ -124,7 +124,7 @@ def measure_bandwidth(copy_mib: int, seconds: float, device: str = "cpu") -> flo
 def _all_cores():
     import torch
 
-    from kvserve.worker.threads import available_cpus
+    from kvserve.runtime.threads import available_cpus
 
     before = torch.get_num_threads()
     torch.set_num_threads(available_cpus())
@@ -205,7 +205,7 @@ def run(args) -> int:
     import torch
 
     from kvserve import LLM
-    from kvserve.worker.threads import configure_threads
+    from kvserve.runtime.threads import configure_threads
 
     if args.single_rounds < 1:
         raise SystemExit(f"--single-rounds must be at least 1, got {args.single_rounds}")

@@ -38,17 +38,16 @@ def measure(llm, prompts: list[str], max_tokens: int, sampling: dict | None = No
 
     params = SamplingParams(max_tokens=max_tokens, **(sampling or {"temperature": 0}))
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
-    spec = llm.engine.core.spec
-    before = (spec.stats.proposed, spec.stats.accepted, spec.stats.verified_requests, spec.stats.emitted) if spec else None
+    counters = ("spec_proposed_tokens", "spec_accepted_tokens", "spec_verify_steps", "spec_emitted_tokens")
+    before = [getattr(llm.engine.core.stats(), c) for c in counters]
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
     result = {"output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
               "token_ids": [o.token_ids for o in outs]}
-    if spec:
-        proposed, accepted, steps, emitted = (now - was for now, was in zip(
-            (spec.stats.proposed, spec.stats.accepted, spec.stats.verified_requests, spec.stats.emitted), before))
+    if llm.engine.config.speculative.method is not None:
+        proposed, accepted, steps, emitted = (getattr(llm.engine.core.stats(), c) - was for c, was in zip(counters, before))
         result.update(acceptance_rate=accepted / proposed if proposed else 0.0,
                       mean_tokens_per_step=emitted / steps if steps else 0.0, proposed=proposed)
     return result
@@ -62,7 +61,7 @@ def run(args) -> int:
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
     SamplingParams(**sampling)  # a bad value is an error before any model loads
     plain_opts = {**base, "speculative_method": None}
-    spec_opts = {**base, "speculative_method": args.speculative_method or "ngram"}
+    spec_opts = {**base, "speculative_method": base.get("speculative_method") or "ngram"}
     plain, fast = LLM(**plain_opts), LLM(**spec_opts)
     rows = []
     for c in args.concurrency:
@@ -74,10 +73,10 @@ def run(args) -> int:
                      **{k: b[k] for k in ("acceptance_rate", "mean_tokens_per_step", "proposed") if k in b}})
     if args.json:
         print(json.dumps({"workload": args.workload, "method": spec_opts["speculative_method"],
-                          "k": args.num_speculative_tokens, "sampling": sampling, "results": rows}, indent=2))
+                          "k": fast.engine.config.speculative.num_speculative_tokens, "sampling": sampling, "results": rows}, indent=2))
         return 0
-    print(f"workload {args.workload}, method {spec_opts['speculative_method']}, k={args.num_speculative_tokens}, "
-          f"dtype {args.dtype}, temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}")
+    print(f"workload {args.workload}, method {spec_opts['speculative_method']}, k={fast.engine.config.speculative.num_speculative_tokens}, "
+          f"dtype {fast.engine.config.dtype}, temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}")
     for r in rows:
         print(f"  concurrency {r['concurrency']:3d}: plain {r['plain_tokens_per_s']:7.1f} tok/s, spec "
               f"{r['spec_tokens_per_s']:7.1f} tok/s, x{r['speedup']:.2f}, acceptance {r.get('acceptance_rate', 0):.2f}, "

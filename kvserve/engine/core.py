@@ -12,19 +12,21 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.config import EngineConfig, ModelConfig
+from kvserve.config import EngineConfig
+from kvserve.engine.stats import EngineSnapshot
 from kvserve.kv_cache.manager import KVCacheManager
-from kvserve.kv_cache.sizing import kv_bytes_per_token, kv_element_bytes, num_kv_blocks_for_budget
+from kvserve.kv_cache.sizing import KVCacheInfo, size_kv_cache
 from kvserve.model.attention.backend import get_backend
-from kvserve.model.host_memory import check_fits
 from kvserve.model.loader import auto_dtype, load_model, resolve_model_path
 from kvserve.model.quant.registry import describe_quantization, weight_bytes
+from kvserve.request import Request, RequestStatus
+from kvserve.runtime.allocator import keep_freed_memory
+from kvserve.runtime.host_memory import check_fits
 from kvserve.scheduler.output import SchedulerOutput
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.spec_decode.controller import SpeculativeController
 from kvserve.spec_decode.proposer import make_proposer
-from kvserve.types import FinishReason, Request, RequestStatus, SamplingParams, TokenLogprob
-from kvserve.worker.allocator import keep_freed_memory
+from kvserve.types import FinishReason, SamplingParams, TokenLogprob
 from kvserve.worker.model_runner import ModelRunner, RunnerOutput
 
 log = logging.getLogger(__name__)
@@ -37,17 +39,6 @@ class StepUpdate:
     request: Request
     new_token_ids: list[int]
     finished: bool
-
-
-@dataclass(frozen=True)
-class KVCacheInfo:
-    num_blocks: int
-    block_size: int
-    bytes_per_token: int
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
 
 
 @dataclass(frozen=True)
@@ -73,18 +64,6 @@ class MemoryReport:
                 f"capacity {self.kv_capacity_tokens} tokens")
 
 
-def size_kv_cache(config: EngineConfig, model: ModelConfig) -> KVCacheInfo:
-    """Blocks to preallocate: ``num_kv_blocks`` if given, else as many as the memory budget holds."""
-    value_bytes, scale_bytes = kv_element_bytes(config.cache.kv_cache_dtype, torch.finfo(config.torch_dtype).bits // 8)
-    per_token = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, value_bytes, scale_bytes)
-    blocks = config.cache.num_kv_blocks or num_kv_blocks_for_budget(
-        config.cache.kv_cache_memory_bytes, config.cache.block_size, per_token)
-    if blocks < 1:
-        raise ValueError(f"kv_cache_memory_bytes={config.cache.kv_cache_memory_bytes} holds no block of "
-                         f"{config.cache.block_size} tokens ({per_token} bytes per token)")
-    return KVCacheInfo(blocks, config.cache.block_size, per_token)
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.model_path = resolve_model_path(config.model)
@@ -94,7 +73,7 @@ class EngineCore:
             log.info("dtype: %s (auto)", config.dtype)
         self.config = config
         if device.type == "cpu":
-            keep_freed_memory()  # large per-step tensors reuse heap memory: see worker/allocator.py
+            keep_freed_memory()  # large per-step tensors reuse heap memory: see runtime/allocator.py
         model, self.model_config = load_model(self.model_path, config.torch_dtype, device,
                                               config.quant.quantization, config.quant.group_size)
         self.kv_info = size_kv_cache(config, self.model_config)
@@ -163,6 +142,20 @@ class EngineCore:
         request = self.scheduler.requests.get(request_id)
         self.finish(request_id, FinishReason.ABORT)
         return request
+
+    def stats(self) -> EngineSnapshot:
+        """The gauges and counters now (call on the engine thread)."""
+        kv, spec = self.kv_cache, self.spec.stats if self.spec is not None else None
+        return EngineSnapshot(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=kv.usage, num_preemptions=self.scheduler.num_preemptions,
+            kv_cache_tokens=self.kv_info.capacity_tokens, weight_bytes=self.memory.weight_bytes,
+            kv_bytes_per_token=self.memory.kv_bytes_per_token,
+            prefix_cache_queries=kv.prefix_stats.queries, prefix_cache_hits=kv.prefix_stats.hits,
+            prefix_cache_evictions=kv.pool.stats.evictions,
+            spec_proposed_tokens=spec.proposed if spec else 0, spec_accepted_tokens=spec.accepted if spec else 0,
+            spec_verify_steps=spec.verified_requests if spec else 0, spec_emitted_tokens=spec.emitted if spec else 0,
+            num_steps=self.num_steps, num_batched_tokens=self.num_batched_tokens)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

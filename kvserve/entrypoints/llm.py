@@ -2,81 +2,29 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Sequence
 
-from kvserve.config import CUDA_TOKEN_BUDGET, CacheConfig, EngineConfig, QuantConfig, SchedulerConfig, SpeculativeConfig
-from kvserve.engine.heap import frozen_heap
-from kvserve.engine.llm_engine import LLMEngine
+from kvserve.config import engine_config, engine_options
+from kvserve.frontend.llm_engine import LLMEngine
+from kvserve.runtime.heap import frozen_heap
 from kvserve.types import RequestOutput, SamplingParams
 
 Prompt = str | list[int]
-
-
-# Flat option name -> (config section, field). LLM(...) and the CLI take these flat names, like vLLM.
-_OPTIONS = {
-    "block_size": ("cache", "block_size"),
-    "num_kv_blocks": ("cache", "num_kv_blocks"),
-    "kv_cache_memory_bytes": ("cache", "kv_cache_memory_bytes"),
-    "enable_prefix_caching": ("cache", "enable_prefix_caching"),
-    "kv_cache_dtype": ("cache", "kv_cache_dtype"),
-    "quantization": ("quant", "quantization"),
-    "quantization_group_size": ("quant", "group_size"),
-    "max_num_seqs": ("scheduler", "max_num_seqs"),
-    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
-    "max_model_len": ("scheduler", "max_model_len"),
-    "scheduling_policy": ("scheduler", "policy"),
-    "speculative_method": ("speculative", "method"),
-    "num_speculative_tokens": ("speculative", "num_speculative_tokens"),
-    "speculative_model": ("speculative", "model"),
-    "speculative_ngram_min": ("speculative", "ngram_min"),
-    "speculative_ngram_max": ("speculative", "ngram_max"),
-    "speculative_max_batch_size": ("speculative", "max_batch_size"),
-}
-_SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "speculative": SpeculativeConfig,
-             "quant": QuantConfig}
-
-
-def engine_config(model: str | None = None, dtype: str = "auto", seed: int = 0, device: str = "cpu",
-                  attention_backend: str = "auto", enforce_eager: bool = False, **options) -> EngineConfig:
-    """The EngineConfig for flat options (see _OPTIONS); `kvserve serve` builds its engine the same way.
-
-    Unknown option names raise ValueError listing the known ones; each value is checked by its section.
-    """
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
-        raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(_OPTIONS)}")
-    if options.get("max_num_batched_tokens") is None:  # the device's default token budget
-        options["max_num_batched_tokens"] = (CUDA_TOKEN_BUDGET if str(device).startswith("cuda")
-                                             else SchedulerConfig.max_num_batched_tokens)
-    fields: dict[str, dict] = {name: {} for name in _SECTIONS}
-    for name, value in options.items():
-        section, field_name = _OPTIONS[name]
-        fields[section][field_name] = value
-    sections = {name: cls(**fields[name]) for name, cls in _SECTIONS.items()}
-    return EngineConfig(model=model, dtype=dtype, seed=seed, device=device, attention_backend=attention_backend,
-                        enforce_eager=enforce_eager, **sections)
 
 
 class LLM:
     """Load a model once, then generate for many prompts with continuous batching.
 
     ``model`` is a Hugging Face folder, a .gguf file, or None for the bundled SmolLM2-135M-Instruct.
-    ``dtype``: "auto" (bfloat16 for a 16-bit or GGUF checkpoint where the device computes it
-    natively, else float32; see model/loader.py auto_dtype), "float32", "bfloat16" or "float16".
-    Options (defaults in kvserve/config.py): block_size=16, num_kv_blocks=None (size the pool from
-    kv_cache_memory_bytes=1 GiB), enable_prefix_caching=True, max_num_seqs=64,
-    max_num_batched_tokens=None (1024 on the CPU, 8192 on CUDA), max_model_len=None,
-    scheduling_policy="shortest-first" ("fcfs"), speculative_method=None ("ngram" | "draft"),
-    num_speculative_tokens=4, speculative_model, speculative_ngram_min=1, speculative_ngram_max=4,
-    speculative_max_batch_size=8, quantization=None (keep a GGUF file's block quantization; "none",
-    "int8", "int4"), quantization_group_size=None (32; -1 = one scale per output channel, int8 only),
-    kv_cache_dtype="auto" ("int8", "fp8").
+    The other keywords are the engine options of kvserve/config.py (``engine_options()``), the same
+    as ``kvserve serve``'s flags: e.g. ``dtype="bfloat16"``, ``max_num_seqs=32``,
+    ``speculative_method="ngram"``, ``quantization="int8"``, ``kv_cache_dtype="int8"``.
     """
 
-    def __init__(self, model: str | None = None, dtype: str = "auto", seed: int = 0, device: str = "cpu",
-                 **options) -> None:
-        self.engine = LLMEngine(engine_config(model, dtype, seed, device, **options))
+    def __init__(self, model: str | None = None, **options) -> None:
+        self.engine = LLMEngine(engine_config(model=model, **options))
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -111,7 +59,7 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not show_progress, unit="req")
         try:
-            with frozen_heap():  # full garbage collections would walk every start-up object: see engine/heap.py
+            with frozen_heap():  # full garbage collections would walk every start-up object: see runtime/heap.py
                 while len(done) < len(ids):
                     for out in self.engine.step(finished_only=True):
                         done[out.request_id] = out
@@ -124,6 +72,18 @@ class LLM:
         finally:
             bar.close()
         return [done[rid] for rid in ids]
+
+
+def _init_signature() -> inspect.Signature:
+    """``LLM.__init__``'s keywords as help() and editors show them: the engine options."""
+    kind = inspect.Parameter.KEYWORD_ONLY
+    return inspect.Signature([
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None),
+        *(inspect.Parameter(o.name, kind, default=o.default) for o in engine_options() if o.name != "model")])
+
+
+LLM.__init__.__signature__ = _init_signature()
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -44,12 +44,12 @@ def serve(args: argparse.Namespace) -> int:
     from kvserve.entrypoints.openai.models import default_served_name
     from kvserve.model.loader import resolve_model_path
 
-    if args.model_path and args.model and args.model_path != args.model:
-        raise ValueError(f"MODEL {args.model_path!r} and --model {args.model!r} disagree; give one")
+    kwargs = engine_kwargs(args)
+    if args.model_path and kwargs.get("model") and args.model_path != kwargs["model"]:
+        raise ValueError(f"MODEL {args.model_path!r} and --model {kwargs['model']!r} disagree; give one")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port {args.port} must be in [1, 65535]")
-    kwargs = engine_kwargs(args)
-    kwargs["model"] = args.model_path or args.model
+    kwargs["model"] = args.model_path or kwargs.get("model")
     config = engine_config(**kwargs)
     resolve_model_path(config.model)  # a wrong path fails here, not after the port is open
     names = tuple(args.served_model_name or [default_served_name(kwargs["model"])])

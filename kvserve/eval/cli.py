@@ -19,7 +19,7 @@ def _perplexity(args: argparse.Namespace) -> int:
         ids = ids[:args.max_tokens]
     result = perplexity(llm, ids, args.window, args.stride)
     memory = llm.engine.core.memory
-    row = {"file": args.file, "dtype": args.dtype, "quantization": memory.quantization,
+    row = {"file": args.file, "dtype": llm.engine.config.dtype, "quantization": memory.quantization,
            "kv_cache_dtype": memory.kv_cache_dtype, "weight_bytes": memory.weight_bytes,
            "window": args.window, "stride": args.stride, "tokens_scored": result.tokens_scored,
            "perplexity": result.perplexity, "tokens_per_s": result.tokens_per_s}

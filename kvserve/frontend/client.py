@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from kvserve.config import EngineConfig
-from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.stats import EngineSnapshot
+from kvserve.frontend.llm_engine import LLMEngine
 from kvserve.frontend.tokenizer import load_tokenizer
-from kvserve.metrics.stats import EngineSnapshot, StatsCollector
+from kvserve.metrics.stats import StatsCollector
 from kvserve.types import RequestOutput, SamplingParams
 
 logger = logging.getLogger("kvserve.client")
@@ -48,6 +49,31 @@ BURST_QUIET_S = 0.004
 BURST_GAP_S = 0.02
 BURST_MAX_WAIT_S = 0.1
 BURST_STEP_FRACTION = 0.05
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """Engine-thread command: start generating for a request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float  # time.perf_counter() when the HTTP layer submitted it
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Engine-thread command: stop a request and free its KV (a no-op if it has finished)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Engine-thread command: abort everything and end the thread."""
+
+
+Command = AddRequest | AbortRequest | Stop
 
 
 class IncomingRequests:
@@ -209,7 +235,7 @@ class AsyncEngineClient:
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort whatever is still running and stop the thread (idempotent)."""
         self._stopping = True
-        self._commands.put(("stop",))
+        self._commands.put(Stop())
         if self._thread is not None:
             self._thread.join(timeout)
         if self._froze_gc:  # what the engine leaves behind can be collected again
@@ -237,11 +263,11 @@ class AsyncEngineClient:
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
         self._submitted += params.n  # each of the n sequences waits for a slot
-        self._commands.put(("add", request_id, prompt_token_ids, params, time.perf_counter()))
+        self._commands.put(AddRequest(request_id, prompt_token_ids, params, time.perf_counter()))
         return stream
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._commands.put(AbortRequest(request_id))
 
     def _check_alive(self) -> None:
         if self.error is not None or self._stopping or (self._thread is not None and not self._thread.is_alive()):
@@ -317,7 +343,7 @@ class AsyncEngineClient:
         first_quiet = self._first_quiet(command)
         taken = 0
         while True:
-            if command[0] == "stop":
+            if isinstance(command, Stop):
                 self._abort_all(engine)
                 return False
             changed |= self._apply(engine, command)
@@ -331,15 +357,15 @@ class AsyncEngineClient:
             self._publish(engine)
         return True
 
-    def _first_quiet(self, command: tuple) -> float:
+    def _first_quiet(self, command: Command) -> float:
         """How long a lone request waits for company: BURST_STEP_FRACTION of the prefill it would
         run alone, within [BURST_QUIET_S, BURST_GAP_S]."""
-        if command[0] != "add" or not self._prefill_rate:
+        if not isinstance(command, AddRequest) or not self._prefill_rate:
             return BURST_QUIET_S
-        alone_s = len(command[2]) / self._prefill_rate
+        alone_s = len(command.prompt_token_ids) / self._prefill_rate
         return min(BURST_GAP_S, max(BURST_QUIET_S, BURST_STEP_FRACTION * alone_s))
 
-    def _next_in_burst(self, deadline: float, quiet: float) -> tuple | None:
+    def _next_in_burst(self, deadline: float, quiet: float) -> Command | None:
         """The next command, waiting (until ``deadline``) while requests are still arriving: one
         came within ``quiet`` seconds, or the HTTP layer holds some not yet submitted."""
         while True:
@@ -350,23 +376,22 @@ class AsyncEngineClient:
                 if self.incoming.count <= 0 or time.perf_counter() >= deadline:
                     return None
 
-    def _apply(self, engine: LLMEngine, command: tuple) -> bool:
-        if command[0] == "abort":
-            if engine.has_request(command[1]):
-                engine.abort_request(command[1])
+    def _apply(self, engine: LLMEngine, command: AddRequest | AbortRequest) -> bool:
+        if isinstance(command, AbortRequest):
+            if engine.has_request(command.request_id):
+                engine.abort_request(command.request_id)
                 if self.stats is not None:
-                    self.stats.on_aborted(command[1], time.perf_counter())
+                    self.stats.on_aborted(command.request_id, time.perf_counter())
                 return True
             return False
-        _, request_id, prompt_token_ids, params, arrival = command
-        self._admitted += params.n
+        self._admitted += command.params.n
         try:
-            engine.add_request(request_id, prompt_token_ids, params)
+            engine.add_request(command.request_id, command.prompt_token_ids, command.params)
         except ValueError as e:
-            self._to_loop(self._deliver_error, request_id, e)
+            self._to_loop(self._deliver_error, command.request_id, e)
             return False
         if self.stats is not None:
-            self.stats.on_added(request_id, arrival, len(prompt_token_ids))
+            self.stats.on_added(command.request_id, command.arrival, len(command.prompt_token_ids))
         return True
 
     def _abort_all(self, engine: LLMEngine) -> None:
@@ -376,7 +401,7 @@ class AsyncEngineClient:
         self._to_loop(self._deliver_error, None, EngineDeadError("the server is shutting down"))
 
     def _publish(self, engine: LLMEngine, outputs: list[RequestOutput] | None = None) -> None:
-        snapshot = EngineSnapshot.of(engine.core)
+        snapshot = engine.core.stats()
         self._published = (snapshot, self._admitted)
         if self.stats is not None:
             if outputs:

@@ -31,7 +31,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte -> character map
 
-from kvserve.disk_cache import cache_dir, write_atomically
+from kvserve.runtime.disk_cache import cache_dir, write_atomically
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token, for correct spacing
 _TABLE_FORMAT = "token-bytes-1"  # part of the cache key: change it when the table's rules change

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from kvserve.disk_cache import cache_dir
+from kvserve.runtime.disk_cache import cache_dir
 
 # What transformers writes as the class of a plain fast tokenizer (v5 calls it TokenizersBackend).
 _PLAIN_FAST = {"TokenizersBackend", "PreTrainedTokenizerFast", PreTrainedTokenizerFast.__name__}

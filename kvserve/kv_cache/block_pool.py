@@ -109,13 +109,6 @@ class BlockPool:
             del self._cached[key.hash]
             self.stats.evictions += 1
 
-    def evict_all_unused(self) -> int:
-        """Drop every cached-but-unused block's content (e.g. to reset the cache); returns how many."""
-        dropped = [b for b in self._free if b in self._key_of]
-        for b in dropped:
-            self._evict(b)
-        return len(dropped)
-
     def check_invariants(self) -> None:
         """Assert the bookkeeping is consistent (for tests and debugging)."""
         assert all(rc >= 0 for rc in self._ref_count), "negative ref count"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from kvserve.kv_cache.block_pool import BlockPool
 from kvserve.kv_cache.hashing import BlockKey, chain_keys
-from kvserve.types import Request
+from kvserve.request import Request
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvserve.config import EngineConfig, ModelConfig
+
 # A quantized cache ("int8", "fp8") stores one byte per value plus a float16 scale per token and head.
 KV_QUANT_SCALE_BYTES = {"int8": 2, "fp8": 2}
 
@@ -44,3 +50,28 @@ def mla_kv_bytes_per_token(num_layers: int, kv_lora_rank: int, qk_rope_head_dim:
 def kv_capacity_tokens(budget_bytes: int, block_size: int, bytes_per_token: int) -> int:
     """Tokens the cache holds: whole blocks only, as the engine allocates them."""
     return num_kv_blocks_for_budget(budget_bytes, block_size, bytes_per_token) * block_size
+
+
+@dataclass(frozen=True)
+class KVCacheInfo:
+    """The engine's paged pool: how many blocks of how many tokens, and what one token costs."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def size_kv_cache(config: EngineConfig, model: ModelConfig) -> KVCacheInfo:
+    """Blocks to preallocate: ``num_kv_blocks`` if given, else as many as the memory budget holds."""
+    value_bytes, scale_bytes = kv_element_bytes(config.cache.kv_cache_dtype, config.torch_dtype.itemsize)
+    per_token = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, value_bytes, scale_bytes)
+    blocks = config.cache.num_kv_blocks or num_kv_blocks_for_budget(
+        config.cache.kv_cache_memory_bytes, config.cache.block_size, per_token)
+    if blocks < 1:
+        raise ValueError(f"kv_cache_memory_bytes={config.cache.kv_cache_memory_bytes} holds no block of "
+                         f"{config.cache.block_size} tokens ({per_token} bytes per token)")
+    return KVCacheInfo(blocks, config.cache.block_size, per_token)

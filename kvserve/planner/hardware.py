@@ -137,7 +137,8 @@ def _matmul_flops(torch, device: str, dtype, seconds: float) -> float:
             a = torch.randn(m, k, device=device).to(dt)
             b = torch.randn(k, n, device=device).to(dt)
             out = torch.empty(m, n, device=device, dtype=dt)
-            product = lambda a=a, b=b, out=out: torch.mm(a, b, out=out)
+            def product(a=a, b=b, out=out):
+                return torch.mm(a, b, out=out)
             best = max(best, _best_rate(2 * m * k * n, product, _sync(torch, device),
                                         seconds / (len(shapes) * len(dtypes))))
     return best

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.request import Request
 from kvserve.scheduler.queues import WaitingQueue
-from kvserve.types import Request
 
 WorkLeft = Callable[[Request], int]  # tokens a waiting request must compute before its next token
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterator
 
-from kvserve.types import Request
+from kvserve.request import Request
 
 
 def order_key(request: Request) -> tuple[int, int]:

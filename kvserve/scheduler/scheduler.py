@@ -13,10 +13,11 @@ import itertools
 
 from kvserve.config import SchedulerConfig
 from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.request import Request, RequestStatus
 from kvserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from kvserve.scheduler.policies import make_policy
 from kvserve.scheduler.queues import WaitingQueue, order_key
-from kvserve.types import FinishReason, Request, RequestStatus
+from kvserve.types import FinishReason
 
 
 class Scheduler:

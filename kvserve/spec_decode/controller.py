@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.config import SpeculativeConfig
+from kvserve.request import Request
 from kvserve.spec_decode.proposer import Proposer
-from kvserve.types import Request
 
 _EMA = 0.3  # weight of the latest step in the acceptance average
 _LOW_ACCEPTANCE = 0.2  # below this, a request only probes: one proposal every _PROBE_EVERY tokens

@@ -12,12 +12,14 @@ import torch
 
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.kv_cache.sizing import size_kv_cache
 from kvserve.model.attention.backend import get_backend
 from kvserve.model.loader import load_model, resolve_model_path
+from kvserve.request import Request
 from kvserve.sample.sampler import draw, row_probs, seeded_generator
 from kvserve.scheduler.output import ScheduledRequest
 from kvserve.spec_decode.proposer import Proposal, register_proposer
-from kvserve.types import Request, SamplingParams
+from kvserve.types import SamplingParams
 from kvserve.worker.model_runner import ModelRunner
 
 _DRAFT_SEED_OFFSET = 104729
@@ -33,9 +35,7 @@ class DraftModelProposer:
             raise ValueError(f"draft vocab {self.config.vocab_size} differs from the target's "
                              f"{target_config.vocab_size}: the draft must share the target's tokenizer")
         self.target_vocab = target_config.vocab_size
-        from kvserve.engine.core import size_kv_cache  # the target's sizing rule, for the draft's own pool
-
-        info = size_kv_cache(engine_config, self.config)
+        info = size_kv_cache(engine_config, self.config)  # the target's sizing rule, for the draft's own pool
         self.kv = KVCacheManager(info.num_blocks, info.block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(model, self.config, get_backend(device, engine_config.cache.kv_cache_dtype,
                                                                        engine_config.attention_backend),

@@ -4,8 +4,8 @@ from their input (summaries, extraction, code edits)."""
 
 from __future__ import annotations
 
+from kvserve.request import Request
 from kvserve.spec_decode.proposer import Proposal, register_proposer
-from kvserve.types import Request
 
 
 def ngram_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:

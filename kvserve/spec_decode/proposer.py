@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from kvserve.types import Request
+from kvserve.request import Request
 
 
 @dataclass

@@ -13,9 +13,9 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.model.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.model.models.llama_decode import build_fused_decoder
-from kvserve.sample.sampler import Sampler, SamplingBatch, argmax_rows, row_probs, scored_logprobs
+from kvserve.sample.rejection import accept_proposals
+from kvserve.sample.sampler import Sampler, SamplingBatch, scored_logprobs
 from kvserve.scheduler.output import ScheduledRequest, SchedulerOutput
-from kvserve.spec_decode.verify import verify_greedy, verify_sampled
 from kvserve.types import TokenLogprob
 from kvserve.worker.block_tables import BlockTableRows
 from kvserve.worker.cuda_graphs import capture_decode_graphs
@@ -106,33 +106,12 @@ class ModelRunner:
 
     def _verify(self, batch: list[ScheduledRequest], rows: list[int], hidden: torch.Tensor,
                 meta: AttentionMetadata) -> dict[str, list[int]]:
-        """Score each request's k proposals plus one position in one lm_head call, then accept/reject:
-        greedy requests by one argmax call over all positions, sampling ones by their distributions
-        from one row_probs call (on the CPU the C++ kernels: torch's argmax took 16.8 ms a step for 32
-        requests x 5 positions of a 49K vocabulary, the kernel 0.8; torch's top-p 0.95 filter ~1 ms a
-        position)."""
+        """Score each request's k proposals plus one position in one lm_head call; the acceptance rule
+        is sample/rejection.py's."""
         spans = [(meta.query_start[i + 1] - len(batch[i].spec_token_ids) - 1, meta.query_start[i + 1]) for i in rows]
         index = torch.tensor([p for a, b in spans for p in range(a, b)], device=self.device)
         logits = self.model.compute_logits(hidden[index])
-        chosen = [batch[i] for i in rows]
-        starts = list(itertools.accumulate((b - a for a, b in spans), initial=0))
-        ranges = [range(starts[j], starts[j + 1]) for j in range(len(chosen))]
-        sampled = [j for j, s in enumerate(chosen) if not s.sampling_params.greedy]
-        targets = argmax_rows(logits).tolist() if len(sampled) < len(chosen) else []
-        probs = {}
-        if sampled:
-            at = torch.tensor([p for j in sampled for p in ranges[j]], device=self.device)
-            dists = row_probs(logits[at], [chosen[j].sampling_params for j in sampled for _ in ranges[j]]).cpu()
-            offsets = itertools.accumulate((len(ranges[j]) for j in sampled), initial=0)
-            probs = {j: dists[o:o + len(ranges[j])] for j, o in zip(sampled, offsets)}
-        out = {}
-        for j, s in enumerate(chosen):
-            if j in probs:
-                out[s.request_id] = verify_sampled(probs[j], s.spec_token_ids, s.sampling_params, s.num_generated,
-                                                   self.sampler.generator, s.spec_probs)
-            else:
-                out[s.request_id] = verify_greedy(targets[starts[j]:starts[j + 1]], s.spec_token_ids)
-        return out
+        return accept_proposals(logits, [batch[i] for i in rows], self.sampler.generator)
 
     def _prompt_logprobs(self, batch: list[ScheduledRequest], hidden: torch.Tensor,
                          meta: AttentionMetadata) -> dict[str, tuple[int, list[TokenLogprob]]]:

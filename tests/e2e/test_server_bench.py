@@ -22,7 +22,7 @@ def server(tmp_path_factory):
 
 
 def _bench(server, *args: str) -> dict:
-    cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "bench", "serve", "--base-url", server.base_url,
+    cmd = [sys.executable, "-m", "kvserve.cli", "bench", "serve", "--base-url", server.base_url,
            "--vocab-size", str(TINY_VOCAB), "--json", "--no-progress", *args]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr + done.stdout
@@ -46,7 +46,7 @@ def test_fixed_concurrency_streams_every_token(server):
 
 def test_failed_requests_are_reported_and_poisson_text_prompts_run(server):
     # The tiny model has no chat template, so chat requests fail: the bench reports them and exits non-zero.
-    cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "bench", "serve", "--base-url", server.base_url,
+    cmd = [sys.executable, "-m", "kvserve.cli", "bench", "serve", "--base-url", server.base_url,
            "--endpoint", "chat", "--num-requests", "3", "--json", "--no-progress"]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 1

@@ -11,9 +11,9 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.config import SpeculativeConfig
 from kvserve.sample import sampler as sampler_module
+from kvserve.sample.rejection import verify_sampled
 from kvserve.sample.sampler import filtered_probs, row_probs
 from kvserve.spec_decode.ngram import ngram_lookup
-from kvserve.spec_decode.verify import verify_sampled
 from tests.conftest import TINY_VOCAB, assert_no_leak, make_tiny_model
 
 
@@ -59,7 +59,7 @@ def _repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:
     """Prompts that repeat a motif, so n-gram lookup has something to propose; mixed lengths."""
     rng = random.Random(seed)
     out = []
-    for i in range(n):
+    for _i in range(n):
         motif = [rng.randrange(3, TINY_VOCAB) for _ in range(rng.randint(2, 6))]
         out.append(motif * rng.randint(2, 12) + [rng.randrange(3, TINY_VOCAB)])
     return out
@@ -150,8 +150,9 @@ def test_sampling_distribution_unchanged(peaky, method):
     # The prompt starts with [its last token + the model's own greedy continuation of it], so after a
     # likely first sample the n-gram lookup finds a guess that is often, but not always, accepted.
     plain_llm = _llm(target, max_num_seqs=512, num_kv_blocks=4096)
-    greedy = lambda p, n=4: plain_llm.generate(
-        [p], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0].token_ids
+    def greedy(p, n=4):
+        return plain_llm.generate(
+            [p], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0].token_ids
     body = [7, 8, 9, 10, 11, 12] + greedy([7, 8, 9, 10, 11, 12], 20)
     likely = greedy(body)
     for _ in range(8):  # iterate to a fixed point: the prefix itself changes the continuation
@@ -177,7 +178,7 @@ def test_bench_spec_runs_greedy_and_sampled(tmp_path_factory, capsys, sampling):
     """`kvserve bench spec`: greedy outputs must match; sampled ones are reported as not comparable."""
     import json
 
-    from kvserve.entrypoints.cli import build_parser
+    from kvserve.cli import build_parser
 
     path = make_tiny_model(tmp_path_factory.mktemp("tiny-chat-spec"), "LlamaForCausalLM")
     config_file = path / "tokenizer_config.json"

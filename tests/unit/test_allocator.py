@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 
-from kvserve.worker import allocator
+from kvserve.runtime import allocator
 
 
 def test_thresholds_apply_on_glibc(monkeypatch):

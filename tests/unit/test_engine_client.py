@@ -10,10 +10,10 @@ import pytest
 from starlette.testclient import TestClient
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.llm import engine_config
 from kvserve.entrypoints.openai.app import ServerOptions, build_app
-from kvserve.frontend.client import AsyncEngineClient, EngineDeadError, EngineNotReadyError, QueueFullError
+from kvserve.frontend.client import AddRequest, AsyncEngineClient, EngineDeadError, EngineNotReadyError, QueueFullError
+from kvserve.frontend.llm_engine import LLMEngine
 
 OPTIONS = {"dtype": "float32", "block_size": 8, "num_kv_blocks": 64, "max_num_seqs": 4,
            "max_num_batched_tokens": 256, "seed": 0, "max_model_len": None, "kv_cache_memory_bytes": 1 << 30,
@@ -152,8 +152,8 @@ class _RecordingEngine:
         self.added.append(request_id)
 
 
-def _add(request_id: str) -> tuple:
-    return ("add", request_id, [5], GREEDY, 0.0)
+def _add(request_id: str) -> AddRequest:
+    return AddRequest(request_id, [5], GREEDY, 0.0)
 
 
 def _idle_client(monkeypatch, quiet_s: float, max_wait_s: float,
@@ -219,13 +219,13 @@ def test_a_lone_long_prompt_waits_longer_for_company(monkeypatch):
     for prompt_len, want in [(10, ["alone"]), (5000, ["alone", "later"])]:
         client, engine = _idle_client(monkeypatch, quiet_s=0.02, max_wait_s=10.0, gap_s=2.0)
         client._prefill_rate = 1000.0
-        client._commands.put(("add", "alone", [5] * prompt_len, GREEDY, 0.0))
+        client._commands.put(AddRequest("alone", [5] * prompt_len, GREEDY, 0.0))
         later = threading.Timer(0.15, lambda c=client: c._commands.put(_add("later")))
         later.start()
         assert client._handle_commands(engine, block=True)
         later.join()
         assert engine.added == want, prompt_len
-    assert client._first_quiet(("add", "x", [5] * 100_000, GREEDY, 0.0)) == 2.0  # capped at the gap window
+    assert client._first_quiet(AddRequest("x", [5] * 100_000, GREEDY, 0.0)) == 2.0  # capped at the gap window
 
 
 def test_the_burst_wait_is_capped(monkeypatch):

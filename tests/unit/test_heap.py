@@ -8,7 +8,7 @@ import weakref
 
 import pytest
 
-from kvserve.engine.heap import frozen_heap
+from kvserve.runtime.heap import frozen_heap
 
 
 class _Node:

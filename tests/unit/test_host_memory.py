@@ -9,7 +9,7 @@ import torch
 
 from kvserve.model.attention.kv_quant import KVQuantFormat
 from kvserve.model.attention.torch_sdpa import TorchAttentionBackend
-from kvserve.model.host_memory import zeroed
+from kvserve.runtime.host_memory import zeroed
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
@@ -35,7 +35,7 @@ def test_kv_caches_start_zeroed():
 def test_a_kv_cache_larger_than_free_memory_is_refused_at_start(tiny_llama, monkeypatch):
     """Its pages are committed only as they are written, so the check has to be made up front."""
     from kvserve import LLM
-    from kvserve.model import host_memory
+    from kvserve.runtime import host_memory
 
     monkeypatch.setattr(host_memory, "available_bytes", lambda: 2**20)
     with pytest.raises(ValueError, match=r"the KV cache needs 0\.0\d GiB but only 0\.00 GiB .* lower --kv-cache-memory"):
@@ -45,7 +45,7 @@ def test_a_kv_cache_larger_than_free_memory_is_refused_at_start(tiny_llama, monk
 
 
 def test_available_bytes_reads_the_os():
-    from kvserve.model.host_memory import available_bytes
+    from kvserve.runtime.host_memory import available_bytes
 
     free = available_bytes()
     assert free is None or 0 < free < 2**50

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.model import cpu_kernels
-from kvserve.worker import threads
+from kvserve.runtime import threads
 
 
 def test_sources_are_staged_in_the_build_directory_and_rewritten_only_when_changed(tmp_path):

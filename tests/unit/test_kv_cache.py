@@ -6,7 +6,8 @@ import random
 
 from kvserve.kv_cache.block_pool import BlockPool
 from kvserve.kv_cache.manager import KVCacheManager
-from kvserve.types import Request, SamplingParams
+from kvserve.request import Request
+from kvserve.types import SamplingParams
 
 
 def _req(rid: str, tokens: list[int]) -> Request:
@@ -90,7 +91,7 @@ def test_randomized_operations_keep_invariants():
     prefixes = [[rng.randrange(50) for _ in range(rng.randint(0, 12))] for _ in range(4)]
     live: dict[str, Request] = {}
     next_id = 0
-    for step in range(4000):
+    for _step in range(4000):
         op = rng.random()
         if op < 0.3 or not live:  # admit a request, reusing a cached prefix when there is one
             rid = f"r{next_id}"

@@ -154,7 +154,7 @@ def test_quantized_weight_bytes():
 @pytest.mark.parametrize(("dtype", "budget"), [("float32", 2 * 1024**3), ("bfloat16", 123_456_789)])
 def test_default_model_kv_sizing_equals_the_engine(dtype, budget):
     from kvserve.config import CacheConfig, EngineConfig, ModelConfig
-    from kvserve.engine.core import size_kv_cache
+    from kvserve.kv_cache.sizing import size_kv_cache
     from kvserve.model.default_model import default_model_path
     from kvserve.model.loader import load_hf_config
 

@@ -4,8 +4,9 @@ import pytest
 
 from kvserve.config import SchedulerConfig
 from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.request import Request
 from kvserve.scheduler.scheduler import Scheduler
-from kvserve.types import Request, SamplingParams
+from kvserve.types import SamplingParams
 
 
 def _scheduler(policy: str, budget: int, max_num_seqs: int = 64, num_blocks: int = 512) -> Scheduler:
@@ -111,7 +112,8 @@ def test_unknown_policy_is_rejected():
 
 
 def test_cli_flag_reaches_the_scheduler_config():
-    from kvserve.entrypoints.cli import build_parser, engine_kwargs
+    from kvserve.cli import build_parser
+    from kvserve.entrypoints.cli import engine_kwargs
     from kvserve.entrypoints.llm import engine_config
 
     args = build_parser().parse_args(["serve", "--scheduling-policy", "shortest-first"])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.worker import threads
-from kvserve.worker.threads import ENV_VAR, ThreadChoice, ThreadSettings, pick_num_threads, prepare_openmp
+from kvserve.runtime import threads
+from kvserve.runtime.threads import ENV_VAR, ThreadChoice, ThreadSettings, pick_num_threads, prepare_openmp
 
 
 def test_bounded_spin_is_set_before_torch_loads():
@@ -87,18 +87,18 @@ def test_without_a_request_each_start_reads_env_and_cores(applied):
 
 
 def test_a_default_that_leaves_a_core_idle_says_why(applied, caplog):
-    with caplog.at_level("WARNING", logger="kvserve.worker.threads"):
+    with caplog.at_level("WARNING", logger="kvserve.runtime.threads"):
         ThreadSettings(passive_wait=False).configure(None, env={}, cpus=2)
     assert "torch was imported before kvserve" in caplog.text and "1 thread(s) on 2 cores" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="kvserve.worker.threads"):
+    with caplog.at_level("WARNING", logger="kvserve.runtime.threads"):
         ThreadSettings(passive_wait=True).configure(None, env={}, cpus=2)
         ThreadSettings(passive_wait=False).configure(None, env={ENV_VAR: "1"}, cpus=2)
     assert caplog.text == ""
 
 
 def test_cli_flag_is_parsed():
-    from kvserve.entrypoints.cli import build_parser
+    from kvserve.cli import build_parser
 
     assert build_parser().parse_args(["generate", "hi", "--num-threads", "2"]).num_threads == 2
 

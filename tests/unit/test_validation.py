@@ -91,4 +91,4 @@ def test_auto_dtype_follows_the_checkpoint_and_the_cpu(tmp_path, tiny_llama):
     assert llm.engine.config.dtype == native and llm.engine.core.config.dtype == native
     assert LLM(model=str(tiny_llama), num_kv_blocks=16).engine.config.dtype == "float32"
     with pytest.raises(RuntimeError, match="auto"):
-        EngineConfig(dtype="auto").torch_dtype
+        _ = EngineConfig(dtype="auto").torch_dtype

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-import kvserve
 from kvserve.config import EngineConfig
 from kvserve.entrypoints.openai.chat import create_chat_completion
 from kvserve.entrypoints.openai.completions import create_completion
@@ -26,6 +25,7 @@ from kvserve.entrypoints.openai.serving import ClientDisconnected, ServerState
 from kvserve.frontend.client import AsyncEngineClient, IncomingRequests
 from kvserve.metrics.prometheus import CONTENT_TYPE, PrometheusMetrics
 from kvserve.metrics.stats import StatsCollector
+from kvserve.types import VERSION
 
 logger = logging.getLogger("kvserve.server")
 
@@ -106,7 +106,7 @@ async def metrics(request: Request) -> Response:
 
 @plain.get("/version")
 async def version() -> JSONResponse:
-    return JSONResponse({"version": kvserve.__version__})
+    return JSONResponse({"version": VERSION})
 
 
 class CountIncoming:
@@ -146,7 +146,7 @@ def build_app(config: EngineConfig, options: ServerOptions) -> FastAPI:
         ready_log.cancel()
         await asyncio.to_thread(client.shutdown)
 
-    app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan)
+    app = FastAPI(title="kvserve", version=VERSION, lifespan=lifespan)
     app.state.kvserve = state
     install_error_handlers(app)
     app.add_middleware(CountIncoming, incoming=client.incoming)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.model.host_memory import zeroed
+from kvserve.runtime.host_memory import zeroed
 
 SCALE_BYTES = 2  # float16
 _MAX = {"int8": 127.0, "fp8": 448.0}

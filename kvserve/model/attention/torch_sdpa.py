@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from kvserve.model.attention.backend import AttentionMetadata, register_backend
 from kvserve.model.attention.kv_quant import kv_quant_format
 from kvserve.model.cpu_kernels import load_kernels
-from kvserve.model.host_memory import zeroed
+from kvserve.runtime.host_memory import zeroed
 
 _KERNEL_KINDS = {None: 0, "int8": 1, "fp8": 2}  # cache kinds of paged_decode.cpp and paged_prefill.cpp
 

@@ -85,12 +85,6 @@ def _dest_rows(layer, rows: tuple[int, int] | None) -> tuple[int, int]:
     return rows if rows is not None else (0, layer.out_features)
 
 
-def _check_shape(layer, tensor: CheckpointTensor, rows: tuple[int, int] | None, name: str) -> None:
-    want = (_dest_rows(layer, rows)[1], layer.in_features)
-    if tuple(tensor.shape) != want:
-        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {want}")
-
-
 @register_quant_method("dense")
 class Dense(QuantMethod):
     """W kept as a float matrix in the layer's dtype; GGUF blocks are dequantized at load."""

@@ -18,8 +18,9 @@ from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore
 from kvserve.frontend.detokenizer import IncrementalDetokenizer, token_bytes_table
 from kvserve.frontend.tokenizer import load_tokenizer
-from kvserve.types import CompletionOutput, FinishReason, Request, RequestOutput, SamplingParams
-from kvserve.worker.threads import balance_threads, configure_threads
+from kvserve.request import Request
+from kvserve.runtime.threads import balance_threads, configure_threads
+from kvserve.types import CompletionOutput, FinishReason, RequestOutput, SamplingParams
 
 
 @dataclass
@@ -47,7 +48,7 @@ class _Tracked:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.threads = configure_threads()  # torch threads for this process: see worker/threads.py
+        self.threads = configure_threads(config.num_threads)  # torch threads for this process: see runtime/threads.py
         self.core = EngineCore(config)
         self.config = self.core.config  # dtype "auto" resolved
         self.tokenizer = load_tokenizer(self.core.model_path)

@@ -1,4 +1,4 @@
-"""Verifying proposals against the target model: one forward pass scored k + 1 positions.
+"""Speculative acceptance: which proposals the target model's k + 1 scored positions keep.
 
 Greedy: accept proposed tokens while they equal the target's argmax; then emit the argmax at the
 first mismatch (or the bonus token after the last proposal). Output is identical to plain greedy.
@@ -12,12 +12,52 @@ removed. Either way the emitted tokens are distributed exactly as the target's o
 
 from __future__ import annotations
 
+import itertools
+from typing import Protocol
+
 import torch
 
-from kvserve.sample.sampler import draw, seeded_generator
+from kvserve.sample.sampler import argmax_rows, draw, row_probs, seeded_generator
 from kvserve.types import SamplingParams
 
 _VERIFY_SEED_OFFSET = 7919  # verification's stream apart from the sampler's at the same position
+
+
+class Proposal(Protocol):
+    """What acceptance reads of a scheduled speculative request."""
+
+    request_id: str
+    spec_token_ids: list[int]
+    spec_probs: torch.Tensor | None
+    sampling_params: SamplingParams
+    num_generated: int
+
+
+def accept_proposals(logits: torch.Tensor, requests: list[Proposal],
+                     fallback: torch.Generator) -> dict[str, list[int]]:
+    """``logits``: the target's rows for each request's k + 1 positions, requests one after another.
+
+    Greedy requests share one argmax call over their positions, sampling ones one row_probs call
+    (on the CPU both are single C++ calls for the whole batch). Returns each request's emitted tokens.
+    """
+    starts = list(itertools.accumulate((len(r.spec_token_ids) + 1 for r in requests), initial=0))
+    ranges = [range(starts[j], starts[j + 1]) for j in range(len(requests))]
+    sampled = [j for j, r in enumerate(requests) if not r.sampling_params.greedy]
+    targets = argmax_rows(logits).tolist() if len(sampled) < len(requests) else []
+    probs = {}
+    if sampled:
+        at = torch.tensor([p for j in sampled for p in ranges[j]], device=logits.device)
+        dists = row_probs(logits[at], [requests[j].sampling_params for j in sampled for _ in ranges[j]]).cpu()
+        offsets = itertools.accumulate((len(ranges[j]) for j in sampled), initial=0)
+        probs = {j: dists[o:o + len(ranges[j])] for j, o in zip(sampled, offsets)}
+    out = {}
+    for j, r in enumerate(requests):
+        if j in probs:
+            out[r.request_id] = verify_sampled(probs[j], r.spec_token_ids, r.sampling_params, r.num_generated,
+                                               fallback, r.spec_probs)
+        else:
+            out[r.request_id] = verify_greedy(targets[starts[j]:starts[j + 1]], r.spec_token_ids)
+    return out
 
 
 def _generator(params: SamplingParams, step: int, fallback: torch.Generator) -> torch.Generator:
