@@ -3,8 +3,8 @@
 glibc serves an allocation above its mmap threshold (adjusted at run time, at most 32 MiB) with a
 fresh ``mmap`` and unmaps it on free, so a tensor that size made every step touches new pages and
 takes a page fault per 4 KiB. Sampling's float32 [rows, vocabulary] tensors at 256 rows of a 49K
-vocabulary are 50 MB: a conversion from bf16 took 17-23 ms that way and 3.3-3.8 ms once the
-process kept its freed memory (two Zen 4 cores, main thread and worker thread alike). Raising the
+vocabulary are 50 MB, and converting into fresh pages took several times as long as into reused
+ones (main thread and worker thread alike). Raising the
 mmap threshold (and the trim threshold that would hand the memory back to the OS) keeps blocks up
 to ``MMAP_THRESHOLD`` in the heap. The cost: a process keeps up to ``TRIM_THRESHOLD`` of freed
 memory instead of returning it. Another thread's arena still maps anything over 64 MiB afresh.

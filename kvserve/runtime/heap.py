@@ -1,9 +1,8 @@
 """Keep Python's cyclic garbage collector off the objects that were alive before a generation began.
 
 A full collection walks every tracked object: in a process that has loaded torch, transformers and
-a model that is ~300K objects and 130-170 ms, a stall of every request in the batch. A long batch
-triggers a few (256 requests x 1,024 tokens on the CPU: 3, 0.5 s in all); on a GPU, where the same
-steps take a tenth of the time, they would be a far larger share. ``frozen_heap`` moves what exists
+a model that is ~300K objects and a stall of every request in the batch; a long batch triggers a
+few, and on a GPU, where steps are short, they are a far larger share. ``frozen_heap`` moves what exists
 at the start into the permanent generation for the duration and back afterwards (both O(1) in
 CPython), so the collections in between only look at objects the generation itself made, and
 nothing stays uncollectable after it.

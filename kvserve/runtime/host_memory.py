@@ -24,10 +24,8 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     """A zero tensor; on the CPU, over fresh private anonymous pages that stay zero until written,
     instead of memory filled with zeros now. Elsewhere, ``torch.zeros``.
 
-    No huge pages here: a first write into a 2 MiB page stalls the step that makes it for 0.4 ms
-    (4 ms on memory the VM's host had not backed yet, measured on the 2-core Zen 3), and decode
-    attention over the cache ran no faster with them (1.33-1.43 vs 1.37-1.51 ms per layer, 32
-    sequences of 192 tokens over a 34 MB layer cache)."""
+    No huge pages here: a first write into a 2 MiB page stalls the step that makes it, and decode
+    attention over the cache runs no faster with them."""
     nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes < mmap.PAGESIZE or not hasattr(mmap, "MAP_ANONYMOUS"):  # Windows: no flags
         return torch.zeros(shape, dtype=dtype, device=device)

@@ -3,23 +3,19 @@
 torch and kvserve's C++ kernels split every op across OpenMP threads and wait for the slowest at
 a barrier. How a thread waits matters in both directions on a small shared machine:
 - A thread that *sleeps* at once (``OMP_WAIT_POLICY=PASSIVE``) has to be woken by the next op, tens
-  of microseconds each time; a decode step runs ~150 parallel kernels, so this alone halved the
-  speed (single-stream bf16 decode 31 vs 59 tok/s, batch 32 509 vs 870 tok/s, one script run).
+  of microseconds each time; a decode step runs ~150 parallel kernels, so this alone halves the speed.
 - A thread that *spins* without end (GNU OpenMP's default, or ``ACTIVE``) collapses when another
   process takes one of the cores: its sibling spins while the thread sharing the busy core waits
-  for a time slice, and W1 fell to a tenth.
+  for a time slice.
 - A bounded spin (``GOMP_SPINCOUNT``) keeps threads awake between the kernels of a step and lets
-  them sleep soon after. With 3,000 spins W1 ran at 489 tok/s quiet and 268 (55%) with a busy
-  loop pinned to one of the two cores; 30,000 spins gave 559 quiet but 115 (20%) busy; 10,000 gave
-  480 and 176 (37%) (benchmarks/compare_engines.py, with and without ``--busy-core 1``).
+  them sleep soon after; longer spins gain a little when quiet and lose far more with a busy core
+  (``benchmarks/compare_engines.py`` with and without ``--busy-core 1`` measures both).
 
 So kvserve sets ``GOMP_SPINCOUNT`` when it is imported, before torch starts OpenMP, unless the
 environment already chose a policy or a spin count, and then uses every available core. The count
-is of ``pause`` instructions, whose length differs by CPU: 3,000 was measured on Intel (above); on
-an AMD Zen 4 a pause took 25 ns, 3,000 of them ~75 us, and threads fell asleep between a single
-stream's decode steps: 30,000 served W3 through the server at 79-92 tok/s against 70-83 with 3,000
-(four alternating rounds), while W1 with a busy core kept the same 300 tok/s (the governor below
-runs one thread then, so nothing spins). So AMD CPUs get ``AMD_SPIN_COUNT``. If torch
+is of ``pause`` instructions, whose length differs by CPU: on AMD a pause is much longer than on
+Intel, the Intel count let threads fall asleep between a single stream's decode steps, so AMD CPUs
+get ``AMD_SPIN_COUNT`` (with a busy core the governor below runs one thread, so nothing spins). If torch
 started OpenMP first, or the environment asks for unbounded spinning, kvserve leaves one core free
 instead (``cores - 1``, at least 1).
 
@@ -28,9 +24,8 @@ Thread count precedence: an explicit request (``--num-threads``, ``configure_thr
 
 With the default, a ``ContentionGovernor`` also watches the cores: while other processes keep about
 a core busy it runs one thread fewer, and all of them again once they stop. A thread that shares a
-core with a busy neighbour gets half of it, and the whole step waits for it: W1 fell from 672 to
-326 tok/s with a busy loop on one of the two cores with 2 threads, but ran at 451 on one thread
-(which runs as fast on the free core as on a quiet machine).
+core with a busy neighbour gets half of it, and the whole step waits for it, while one thread runs
+as fast on the free core as on a quiet machine (figures: benchmarks/RESULTS.md, "A busy core").
 """
 
 from __future__ import annotations
