@@ -37,14 +37,13 @@ logger = logging.getLogger("kvserve.client")
 # An idle engine that receives a request waits until no other has come for BURST_QUIET_S and none
 # is on its way through the HTTP layer (``incoming``), at most BURST_MAX_WAIT_S in all, before its
 # first step, so that a burst is scheduled as one. Once two have come it is a burst, and the quiet
-# window widens to BURST_GAP_S. W2's 64 requests reached the engine over ~40-60 ms, with gaps of
-# up to ~30 ms (the client encoding, the event loop parsing bodies before their handlers submit);
-# a step started on the first ones put every first token ~0.2 s later.
+# window widens to BURST_GAP_S. A burst's requests reach the engine over tens of milliseconds (the
+# client encoding, the event loop parsing bodies), and a step started on the first ones delays every
+# other first token by that whole step.
 # The first request's own window grows with the step it would start alone, to BURST_STEP_FRACTION of
 # that step's time (estimated from the prefill rate the engine's warm-up measured, which a 64-token
-# prefill understates), at most BURST_GAP_S: on two Zen 4 cores a cold W2 burst's second request came
-# 11-12 ms after the first, so its 473-token prompt ran alone for 0.4 s while the other 63 waited.
-# A lone request pays at most ~5% more (a 128-token prompt here: ~6 ms instead of 4).
+# prefill understates), at most BURST_GAP_S: otherwise a long first prompt runs alone while the rest
+# of its burst waits. A lone request pays at most ~5% more.
 BURST_QUIET_S = 0.004
 BURST_GAP_S = 0.02
 BURST_MAX_WAIT_S = 0.1
@@ -181,8 +180,8 @@ class AsyncEngineClient:
                  freeze_gc: bool = False) -> None:
         """``freeze_gc``: the process serves this client alone (``kvserve serve``), so once the model is
         loaded everything alive then is moved out of the cyclic garbage collector's reach until shutdown.
-        A full collection otherwise walks ~250K start-up objects (torch, transformers, the model): a
-        130-140 ms stall of every stream here, against ~0 ms frozen."""
+        A full collection otherwise walks ~250K start-up objects (torch, transformers, the model), a
+        stall of every stream each time."""
         self.config = config
         self.freeze_gc = freeze_gc
         self._froze_gc = False
@@ -319,8 +318,8 @@ class AsyncEngineClient:
 
     def _load(self) -> LLMEngine:
         """Build and warm up the engine; with ``freeze_gc``, then freeze what is alive. No full
-        collection first: at this point it found no garbage (0 unreachable objects of ~250K, the
-        default model) and took 150-220 ms of every start; anything it would have freed stays."""
+        collection first: at this point there is no garbage to find, and it would lengthen every
+        start; anything it would have freed stays."""
         engine = LLMEngine(self.config)
         self._prefill_rate = engine.core.warm_up()
         logger.info("warm-up: prefill at %.0f tokens/s", self._prefill_rate)

@@ -5,8 +5,7 @@ into one RequestOutput here.
 
 Outputs are cumulative (all text and tokens so far) or, with ``step(delta=True)``, only what is new
 since the request's previous output: a server streaming hundreds of long requests would otherwise
-copy every request's whole token list and text on every step (at 256 streams of ~256 tokens, 2.3 ms
-a step of the engine thread's time, growing with length).
+copy every request's whole token list and text on every step, a cost that grows with length.
 """
 
 from __future__ import annotations
