@@ -3,8 +3,7 @@
 Rows are sampled by inverse CDF, all at once: one uniform number per row, found in the row's
 cumulative probabilities (on the CPU by one C++ call for the whole batch, filters included, see
 kernel_samples; elsewhere by torch's cumsum and binary search). (An exponential race, argmax of p / Exp(1) noise,
-needs a random number per vocabulary entry: 30 ms a step for 32 rows of a 49K vocabulary on two
-CPU cores, half of a decode step, against ~1.5 ms.) A seeded request draws its number from a
+needs a random number per vocabulary entry, which on a CPU costs a large share of a decode step.) A seeded request draws its number from a
 generator keyed by (seed, tokens generated so far), so its samples do not depend on what else
 is in the batch, on preemption, or on earlier steps having run at all.
 
@@ -116,9 +115,7 @@ def kernel_samples(logits: torch.Tensor, params: list[SamplingParams], uniforms:
     """Every row's token in one C++ call on the CPU: greedy rows' argmax, the others
     ``sample_from_probs(filtered_probs(logits, params), uniforms)`` with their filters, without a
     float copy of the logits, a softmax or a sort (radix selection among the tokens a filter can
-    keep); None where the kernels cannot run (another device, no C++ kernels). The engine's sampler
-    per step at 32 rows of a 49K vocabulary, torch -> kernel: temperature 1.9-2.3 -> 0.5-0.9 ms,
-    top-p 0.95 8.9-9.2 -> 0.7 ms, top-k 40 5.7-5.9 -> 0.7 ms."""
+    keep); None where the kernels cannot run (another device, no C++ kernels)."""
     inputs = _kernel_inputs(logits, params)
     if inputs is None:
         return None
@@ -129,8 +126,7 @@ def kernel_samples(logits: torch.Tensor, params: list[SamplingParams], uniforms:
 def row_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Each row's normalised distribution as the sampler draws from it, float32 [B, V] (greedy rows:
     all on the argmax): speculative verification reads it. On the CPU one C++ call over the logits as
-    they are (a top-p 0.95 row of a 49K vocabulary ~0.05 ms, torch's filtered_probs ~1 ms), else
-    filtered_probs."""
+    they are (torch's filtered_probs is an order of magnitude slower there), else filtered_probs."""
     inputs = _kernel_inputs(logits, params)
     if inputs is not None:
         kernels, temperatures, filters = inputs
@@ -166,8 +162,8 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Index of each row's largest logit, the first on ties: the C++ kernel on the CPU (one pass at
-    memory speed: 0.85 vs 5.7 ms for 256 x 49152 bf16 logits), else max().indices (not argmax(),
-    which was 5x slower on the CPU)."""
+    memory speed, where torch's max(dim=-1) is far slower on bf16), else max().indices (not
+    argmax(), which is slower still on the CPU)."""
     if logits.device.type == "cpu" and logits.dim() == 2 and logits.stride(-1) == 1 and logits.shape[-1] > 0:
         kernels = load_kernels()
         if kernels is not None and logits.dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -220,8 +216,8 @@ def scored_logprobs(logits: torch.Tensor, targets: list[int], num_top: int) -> l
     return token_logprobs(logits, ids, [num_top] * len(targets))  # type: ignore[return-value]
 
 
-# Each row's best tokens are sorted first (topk), not the whole vocabulary: a full sort took 45 ms a
-# step for 32 rows of a 49K vocabulary on two CPU cores (the step itself ~55 ms), the 256 best 2.8 ms.
+# Each row's best tokens are sorted first (topk), not the whole vocabulary: a full sort of a 49K
+# vocabulary per row costs about as much as the decode step itself.
 _FIRST_WIDTH = 256
 
 

@@ -63,8 +63,8 @@ class FirstComeFirstServed:
 class ShortestFirst:
     """The fewest tokens left to compute first; a request overtaken by MAX_OVERTAKEN_STEPS token budgets
     of later arrivals (requests that came in a later step) goes next, so a long prompt waits a bounded
-    time. Within a burst the order is by length alone: W2's 64 requests at once had their first-come
-    473-token prompt forced in after four budgets, just before the median request's first token."""
+    time. Within a burst the order is by length alone: counting a burst's own members as later
+    arrivals would force its first-come long prompt in ahead of the short ones."""
 
     WINDOW = 256  # waiting requests compared
     MAX_OVERTAKEN_STEPS = 4
