@@ -32,8 +32,8 @@ _SOURCES = [
     _MODEL / "attention" / "csrc" / "paged_prefill.cpp",
     _MODEL / "models" / "csrc" / "llama_decode.cpp",
 ]
-# at::parallel_for is an OpenMP pragma in the headers: without -fopenmp every kernel ran on one
-# thread (one core reads ~11 GB/s here, two ~22).
+# at::parallel_for is an OpenMP pragma in the headers: without -fopenmp every kernel runs on one
+# thread, and one core reads only about half the memory bandwidth two do.
 _OPENMP = ["-fopenmp"]
 
 

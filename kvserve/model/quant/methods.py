@@ -22,37 +22,29 @@ from kvserve.model.cpu_kernels import load_kernels
 from kvserve.model.quant import gguf_blocks, packing
 from kvserve.model.quant.registry import CheckpointTensor, QuantMethod, register_quant_method
 
-# Quantized W, three CPU paths by rows of x (crossovers measured per layer on AVX512 + AMX, one
-# thread): up to _MAX_FUSED_ROWS the fused dequantize+dot kernel (reads each weight once); then, for
-# bf16, AMX tiles of W dequantized in registers (no per-call weight reorder, 1.3-1.9x at::mm for
-# 8-128 rows); beyond _MAX_AMX_ROWS (prefill) L2-sized dequantized tiles + at::mm. AVX2 CPUs have
+# Quantized W, three CPU paths by rows of x (crossovers timed per layer on an AMX CPU, one thread):
+# up to _MAX_FUSED_ROWS the fused dequantize+dot kernel (reads each weight once); then, for bf16, AMX
+# tiles of W dequantized in registers (no per-call weight reorder, faster than at::mm for 8-128 rows);
+# beyond _MAX_AMX_ROWS (prefill) L2-sized dequantized tiles + at::mm. AVX2 CPUs have
 # float32 panels of W as their middle path, for every batch (_MAX_PANEL_ROWS_AVX2, below).
 _MAX_FUSED_ROWS = {torch.float32: 64, torch.bfloat16: 3, torch.float16: 4}
 _MAX_AMX_ROWS = 256
 # Without AMX, bf16 rows past the fused kernel go to the dequantized tiles + at::mm, which the fused
-# kernel beats up to 16-24 rows (Zen 5, two threads, the default model's GGUF layers, fused / tiled:
-# at 4 rows the int8 output head 1.26 / 5.01 ms and an int4 gate_up 0.065 / 0.300; at 16 rows 4.5 /
-# 5.9 and 0.25 / 0.35; at 32 rows 9.3 / 7.1 and 0.47 / 0.46).
+# kernel beats up to 16-24 rows on the default model's GGUF layers (4x at 4 rows, even by 32).
 _MAX_FUSED_ROWS_WITHOUT_AMX = 16
 # AVX2 (no AVX-512): x of any dtype is multiplied in float32, by the fused kernel up to 8 rows, then
-# against float32 panels of W for every batch (csrc/quant_linear.cpp; before them, float32 tiles +
-# MKL's sgemm took over from ~40 rows). Zen 3, two threads, the default model's GGUF layers, float32
-# x, fused / panels, ms: at 4 rows gate_up 0.27 / 0.36, down 0.13 / 0.18; at 8 rows 0.49 / 0.47 and
-# 0.24 / 0.26, the int8 output head 9.0 / 8.4; at 12 rows 0.72 / 0.69, 0.31 / 0.28, 12.6 / 11.0.
+# against float32 panels of W for every batch (csrc/quant_linear.cpp): on the default model's GGUF
+# layers the panels overtake the fused kernel at about 8 rows.
 _MAX_FUSED_ROWS_AVX2 = 8
 _MAX_PANEL_ROWS_AVX2 = 1 << 62
 # Dense bf16 W on a CPU with AVX512-BF16: W is kept only in the AMX tile layout
 # (layers/csrc/packed_linear.cpp), packed at load; its kernel serves every number of rows, on AMX
-# tiles where the CPU has them. Over the default model's 30 layers (2 threads, weights cold, SiLU *
-# up included, AMX) it took 20.5-21.1 ms at 64 rows of x, 47-49 at 256, 126-127 at 1,024, 218-235
-# at 2,048 (oneDNN on W as stored: 273), 421 at 4,096 (538), 869 at 8,192 (1,837). Without AMX
-# (a Zen 4) its vdpbf16ps kernel ran at 390-445 GFLOP/s at 64-1,024 rows, oneDNN at 280-410.
+# tiles where the CPU has them; it is faster than oneDNN on W as stored at every size, on AMX and on
+# vdpbf16ps alike (docs/cpu-kernels.md).
 # Dense bf16 W not packed (AVX-512 without BF16, e.g. Skylake-SP; AVX512-BF16 and AVX2 CPUs pack it):
 # the fused kernel up to here, then float32 tiles of W through at::mm (oneDNN's bf16 matmul emulates
-# bf16 there). Measured with the AVX2 fused kernel on a Zen 3 before that CPU packed W (two threads,
-# the default model's shapes), fused / tiled: at 16 rows 0.89 / 1.72 ms (gate_up) and 17 / 43 ms
-# (output head), at 64 rows 2.4 / 3.1 and 46 / 48, at 128 rows 5.3 / 5.3 and 113 / 120; not measured
-# on an AVX-512 CPU without BF16.
+# bf16 there). The crossover (the fused kernel ahead up to ~64 rows, even by 128) was timed with the
+# AVX2 fused kernel, not on an AVX-512 CPU without BF16.
 _MAX_DENSE_FUSED_ROWS = 64
 _TILE_BYTES = 1 << 21  # a dequantized tile of W that stays in L2 while at::mm reads it
 _LOAD_CHUNK_VALUES = 1 << 18
