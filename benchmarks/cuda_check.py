@@ -109,8 +109,8 @@ class _OnDevice:
 
 def run_speed(device: str, workdir: Path, out: Path, dry_run: bool, size: str = "1b") -> dict:
     """``kvserve bench roofline`` on the random ``size`` model; the 1B one also without CUDA graphs."""
-    # Session 13's best batch was the largest tried (256, forward 2 ms of a 9.5 ms step): 512 and 1,024
-    # show whether a larger batch lifts the matmul fraction once the host's share stops dominating.
+    # On the H200 the best batch was the largest tried (256), with the host's Python most of a step:
+    # 512 and 1,024 show whether a larger batch lifts the matmul fraction.
     batch_sizes = "2,4" if dry_run else ("1,32,64,128,256,512,1024" if size == "1b" else "1,64,128,256")
     start = time.perf_counter()
     path, shape = _random_llama(size, device, workdir, dry_run)
@@ -221,8 +221,8 @@ def run_profile(device: str, workdir: Path, dry_run: bool) -> dict:
 
 def _host_facts() -> dict:
     """The host side of the machine, which bounds the engine's Python per step: the CPU, the cores
-    this process may use, and a cgroup CPU quota if there is one (session 13's host phases ran 1.5-6x
-    slower than on the 2-core CPU machine)."""
+    this process may use, and a cgroup CPU quota if there is one (a GPU host's CPU can be slower per
+    step than a CPU-only machine's)."""
     import os
     import platform
 
