@@ -225,9 +225,8 @@ void decode_vec(const T* q, const Elem* k_base, const Elem* v_base, int64_t num_
 #endif
   // int8 cache, bf16 / float16 query: q.k in integers (vpdpwssd: int8 keys widened to int16 times the
   // query as int16, 32 products per instruction), the query quantized per head with a step of
-  // max|q| / 32767 (relative error ~1e-5, far below the int8 keys' own). Each key converted to
-  // float32 through scratch first cost 2 loads, 2 conversions and a store per 16 values more:
-  // 30 layers of 32 sequences x 300 tokens took 9.1 ms that way, 8.1 ms this way (bf16: 10.5 ms).
+  // max|q| / 32767 (relative error ~1e-5, far below the int8 keys' own). Converting each key to
+  // float32 through scratch first would cost 2 loads, 2 conversions and a store per 16 values more.
   // float32 queries keep the float path (exact, for quality comparisons).
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   constexpr bool int_types = K == Kind::kInt8 && !std::is_same_v<T, float>;
@@ -414,10 +413,9 @@ void decode_vec(const T* q, const Elem* k_base, const Elem* v_base, int64_t num_
 #if defined(KVSERVE_AVX2)
 // AVX2 (8 lanes), a dense cache (float32 / bf16 / float16 rows, the query's dtype), head_dim a
 // multiple of 16: one online-softmax pass over the keys and values, 16 tokens at a time, for one kv
-// head and its `group` query heads. The scalar two-pass kernel above it replaces took 3.2 ms a
-// layer for 32 sequences of 256 tokens (bf16, Zen 3). Chunks of 16 tokens instead of 8 halve the
-// per-chunk softmax work (lane sums, max, rescaling): with each of 30 layers' caches in turn, 32
-// sequences x 256 tokens 551-596 -> 447-469 us a layer, 64 x 300 1,273-1,357 -> 1,057-1,118.
+// head and its `group` query heads; it replaces the scalar two-pass kernel above, which is several
+// times slower. Chunks of 16 tokens instead of 8 halve the per-chunk softmax work (lane sums, max,
+// rescaling).
 constexpr int kTok = 16;  // tokens per chunk: two vectors of scores per query head
 
 // Lane t = the sum of v[t]'s 8 lanes.
@@ -501,10 +499,7 @@ void decode_avx2(const T* q, const T* k_base, const T* v_base, int64_t num_kv_he
   // The block-table walk: the next token's row is at (table[blk], off). Each chunk's rows are
   // found one chunk ahead and prefetched while the chunk before them is computed, a token's rows
   // at a time (dots8): the blocks are scattered over the pool, beyond the hardware prefetchers'
-  // reach. Zen 3, bf16, each of 30 layers' caches in turn, a layer, 8-token chunks: 64 sequences x
-  // 300 tokens 2.9-3.8 -> 2.0-2.6 ms, 32 x 256 1.36-1.46 -> 0.81-1.20 ms. With 16-token chunks the
-  // same prefetches issued in one burst per chunk made the kernel slower than 8-token chunks
-  // (32 x 256: 722-792 us against 584-607); spread out, faster (above).
+  // reach. They are spread over the chunk: issued in one burst per chunk, they stall the kernel.
   int64_t blk = 0, off = 0;
   int64_t rows[kTok], next[kTok];
   auto walk = [&](int64_t start, int64_t* out) {
@@ -757,7 +752,7 @@ void merge_partials(const float* m, const float* l, const float* acc, int64_t pa
 // The bf16 path of paged_decode_attention. With at least two sequences per thread a task is one
 // sequence (all its kv heads: their rows are adjacent, so the reads stream); with fewer, each
 // sequence's tokens are also cut into ranges of at least kMinSplit tokens so that every thread has
-// work (one sequence of 256 tokens on one thread took ~40 us per layer in a decode step).
+// work (otherwise a single stream's attention runs on one thread while the others wait).
 void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
               const at::Tensor& lens, double scale, at::Tensor& out) {
   constexpr int64_t kMinSplit = 64;

@@ -304,7 +304,7 @@ at::Tensor fused(const QuantWeight& w, const at::Tensor& x) {
 #define KVSERVE_VNNI 1
 
 // Rows of W ahead of the current one to prefetch: the hardware prefetcher alone leaves a cold (DRAM)
-// weight 1.5-2x slower than this (measured on the default model's shapes).
+// weight markedly slower than this on the default model's shapes.
 constexpr int64_t kPrefetchRows = 64;
 
 // Rows of W per parallel task for the few-row kernels: a second thread costs a wake-up (tens of
@@ -714,11 +714,8 @@ void dequant_rows(const QuantWeight& w, int64_t n0, int64_t n1, T* out) {
 // kFusedRows rows of x and loads x for every FMA. Here each strip of 16 rows of W is dequantized once
 // per call into a float32 panel (16 x K, in L2), and all rows of x meet it in a register-blocked dot
 // product: 3 rows of x by 4 rows of W, 12 accumulators, 7 loads and 12 FMAs per 8 inputs; the four
-// channels' sums are reduced together (hadd) and stored as one vector. On a Zen 3 (two threads, the
-// default model's GGUF layers, float32 x) it beat the fused loop from ~8 rows (at 32 rows the int4
-// gate_up 1.41 vs 1.62-2.09 ms, the int8 output head 22.7 vs 32.5-33.4 ms) and the dequantized tiles
-// + MKL's sgemm up to 1,024 rows (gate_up 38.9 vs 57.2 ms, the output head 628 vs 977 ms at 1,024;
-// only the small o_proj ran faster through sgemm past ~256 rows, 8.5 vs 6.8 ms).
+// channels' sums are reduced together (hadd) and stored as one vector. On AVX2 this beats the fused
+// loop from ~8 rows and the dequantized tiles + MKL's sgemm up to prefill sizes.
 constexpr int kPanelRows = 16;  // rows of W per panel (one parallel task)
 constexpr int64_t kPanelBlockRows = 48;  // rows of x that pass over 4 rows of a panel before the next 4
 
@@ -810,9 +807,8 @@ at::Tensor tiled(const QuantWeight& w, const at::Tensor& x, int64_t tile_bytes) 
 }
 
 // A CPU without bf16 arithmetic (no AVX512-BF16) multiplies 16-bit x in float32: W's tiles
-// dequantized to float32 and MKL's sgemm, where oneDNN's bf16 matmul emulates bf16 (15-16 GFLOP/s on
-// a Zen 3 against sgemm's 65-190). The bundled model in bf16, 32 x 128 -> 128 offline: 37-60 tok/s
-// before (every prefill and every decode step past the fused kernel's rows went there).
+// dequantized to float32 and MKL's sgemm, since oneDNN's bf16 matmul emulates bf16 there and runs an
+// order of magnitude slower than sgemm.
 template <int BITS>
 at::Tensor tiled_any(const QuantWeight& w, const at::Tensor& x, int64_t tile_bytes) {
 #if !defined(KVSERVE_BF16)
@@ -985,7 +981,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 
 // y = x W^T with W [N, K] bf16 on a CPU without bf16 arithmetic: W converted to float32 a tile of
 // rows at a time (tile_bytes of float32, which stay in L2 while at::mm reads them) and multiplied in
-// float32. oneDNN's bf16 matmul on an AVX2 CPU (Zen 3) ran at 15-16 GFLOP/s, MKL's sgemm at 65-105.
+// float32: oneDNN's bf16 matmul on an AVX2 CPU is emulated and several times slower than MKL's sgemm.
 at::Tensor dense_tiled(const at::Tensor& x, const at::Tensor& weight, int64_t tile_bytes) {
   const int64_t n = weight.size(0), k = weight.size(1);
   const at::Tensor x32 = x.to(at::kFloat);
