@@ -2,6 +2,7 @@
 # One entry point for a fresh machine: creates .venv and installs what is missing on first use.
 #   ./run.sh serve [MODEL] [flags]   start the main job on the bundled default model
 #   ./run.sh test [pytest args]      run the whole test suite
+#   ./run.sh lint                    ruff over the tree (CI runs it before the tests)
 #   ./run.sh <kvserve args>          any other kvserve command (generate, bench, plan, ...)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -30,5 +31,6 @@ cmd=${1:-serve}
 [ $# -gt 0 ] && shift
 case "$cmd" in
   test) exec "$VENV/bin/python" -m pytest "$@" ;;
+  lint) exec "$VENV/bin/ruff" check "$@" . ;;
   *) exec "$VENV/bin/kvserve" "$cmd" "$@" ;;
 esac
