@@ -619,8 +619,8 @@ void decode_bf16(const uint16_t* q, const uint16_t* k_base, const uint16_t* v_ba
     if (++off == block_size) { off = 0; ++blk; }
   }
   const int64_t span_lines = (nh * kD * 2 + 63) / 64;  // cache lines of a token's rows (all heads)
-  // Rows are asked for kBf16Ahead chunks before they are used (into L2: on a Zen 4 into L1 was
-  // slower, one chunk ahead too late), the first chunks' at once.
+  // Rows are asked for kBf16Ahead chunks before they are used (into L2: into L1 evicts rows still
+  // in use, and one chunk ahead arrives too late), the first chunks' at once.
   for (int64_t t = 0; t < std::min<int64_t>(len, kBf16Ahead * kChunk); ++t)
     for (int64_t i = 0; i < span_lines; ++i) {
       _mm_prefetch(reinterpret_cast<const char*>(k_base + s.rows[t]) + 64 * i, _MM_HINT_T2);

@@ -3,8 +3,8 @@
 // causally over its cached keys (the prefix and the chunk itself, written to the cache before this
 // runs), read from the paged blocks.
 //
-// SDPA per sequence spent a third of a prefill step here (0.77 ms for 275 tokens x 9 heads x 30
-// layers, plus a gathered copy and an explicit mask when a prefix is cached). Here, per task
+// SDPA per sequence needs a gathered copy of the keys and an explicit mask when a prefix is cached,
+// and converts bf16 to float32 as it goes. Here, per task
 // (sequence, kv head, up to 64 query tokens):
 //   1. the keys the task can see are packed once as VNNI B tiles: K^T (16 keys x 32 dims a tile,
 //      via a 16 x 16 transpose of 32-bit pairs) and V (32 keys x 16 dims a tile, rows interleaved);
@@ -30,9 +30,8 @@ namespace {
 // A task packs the keys its queries see, so a whole sequence per kv head is the cheapest task (with a
 // task per 64 queries a 512-token prompt packed its keys 4.5 times over). Sequences are cut into
 // pieces (multiples of kPieceTokens queries) only where one would hold more than 1 / kTasksPerThread
-// of a thread's share of the work, and pieces run largest first, so the threads finish together. With
-// per-thread scratch kept between calls, W2's prompts in 1,024-token steps (one layer) took 28.8 ms
-// instead of 30.6.
+// of a thread's share of the work, and pieces run largest first, so the threads finish together. Scratch
+// is kept per thread between calls, so a step does not allocate it again.
 constexpr int64_t kPieceTokens = 64;
 constexpr int64_t kTasksPerThread = 4;  // 2 and 8 no better
 

@@ -2,11 +2,11 @@
 // residual first), rotary embedding in place, and SiLU(gate) * up.
 //
 // In PyTorch each of these is 5-15 small ops; at decode (a few rows) every op costs more in dispatch
-// and allocation than in arithmetic, so a step of a 30-layer model spent ~10 ms on them. Here each
+// and allocation than in arithmetic, several times over per layer. Here each
 // row is read once, the math is float32 and results are rounded to the tensor's dtype at the same
 // points as the reference (Hugging Face) implementation, so bf16 outputs match it.
 // With AVX-512 the rows go 16 values at a time (a scalar loop handles the tail, and everything on
-// other CPUs): GCC did not vectorise the plain loops (prefill spent 1 ns per value in them).
+// other CPUs): GCC does not vectorise the plain loops.
 #include "kernels.h"
 #include "simd.h"
 

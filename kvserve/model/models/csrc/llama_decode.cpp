@@ -3,9 +3,9 @@
 //
 // It calls the same kernels, in the same order, as the eager model does through Python, so its
 // output is bitwise the same; what it removes is Python itself: about 30 dispatched calls per layer,
-// ~0.2 ms per layer here, and the idle gaps between kernels in which the OpenMP threads went back to
-// sleep (waking them costs tens of microseconds per kernel). At one sequence that was a third of
-// the step.
+// and the idle gaps between kernels in which the OpenMP threads went back to
+// sleep (waking them costs tens of microseconds per kernel). At one sequence that is a large share
+// of the step.
 #include "kernels.h"
 
 #include <ATen/ATen.h>
