@@ -16,7 +16,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.argv = argv[1:]  # the subcommand's own arguments, for one that starts others with them
     try:
         return args.func(args)
     except ValueError as e:

@@ -13,12 +13,14 @@ import os
 import signal
 
 from kvserve.entrypoints.cli import add_engine_args, engine_kwargs
+from kvserve.entrypoints.cluster.replicas import BACKENDS
+from kvserve.entrypoints.cluster.router import ROUTERS
 
 logger = logging.getLogger("kvserve.server")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API", allow_abbrev=False)
     p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
                    help="HF model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
     add_engine_args(p)
@@ -33,6 +35,16 @@ def add_parser(sub) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGINT/SIGTERM")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas behind one front end (each a whole kvserve server with its own KV cache)")
+    p.add_argument("--distributed-backend", choices=BACKENDS, default="mp",
+                   help="how replicas start: mp = processes on this machine; ray = Ray actors (pip install "
+                        "'kvserve[ray]'), on a Ray cluster with --ray-address")
+    p.add_argument("--ray-address", default=None,
+                   help="Ray cluster to join (e.g. auto, or HOST:6379); default: a local Ray instance")
+    p.add_argument("--router", choices=ROUTERS, default="prefix-aware",
+                   help="which replica takes a request: the one holding its longest prompt prefix (prefix-aware, "
+                        "yielding to the least loaded when they drift apart), least-load, or round-robin")
     p.set_defaults(func=serve)
 
 
@@ -53,6 +65,14 @@ def serve(args: argparse.Namespace) -> int:
     config = engine_config(**kwargs)
     resolve_model_path(config.model)  # a wrong path fails here, not after the port is open
     names = tuple(args.served_model_name or [default_served_name(kwargs["model"])])
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size {args.data_parallel_size} must be >= 1")
+    if args.data_parallel_size > 1:
+        from kvserve.entrypoints.cluster.serve import serve_cluster
+
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        _exit_quietly_after_shutdown()
+        return serve_cluster(args, args.argv, config, names)
     address = f"http://{args.host}:{args.port}"
     options = ServerOptions(names, args.api_key, args.max_queue, address, freeze_gc=True)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

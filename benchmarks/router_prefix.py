@@ -1,0 +1,97 @@
+"""Prefix-aware against round-robin routing over two real replicas: multi-turn chats with shared prefixes.
+
+Each conversation starts from one of two long system prompts and resends its whole history every
+turn, as chat clients do. The conversations run side by side, turn by turn; the script reports each
+router's prefix-cache hit rate (summed over the replicas' /metrics) and the time to first token.
+
+    .venv/bin/python benchmarks/router_prefix.py --conversations 8 --turns 6 [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+
+import httpx
+
+from kvserve.bench.launch import ServerProcess
+
+SYSTEMS = [
+    "You are a careful travel assistant. You answer in short paragraphs, you name concrete places, you give "
+    "opening hours when you know them, and you always mention one thing to avoid. " * 4,
+    "You are a patient programming tutor. You explain with small examples, you point out the common mistake "
+    "first, and you finish every answer with a one-line summary of the rule. " * 4,
+]
+QUESTIONS = ["Where should I start?", "What comes next?", "Why is that?", "Give me an example.",
+             "What is the most common mistake?", "Summarise it for me.", "And after that?", "Anything else?"]
+
+
+async def _turn(client: httpx.AsyncClient, url: str, history: list[dict]) -> tuple[float, str]:
+    start = time.perf_counter()
+    ttft, text = None, []
+    body = {"model": "SmolLM2-135M-Instruct", "messages": history, "max_tokens": 24, "temperature": 0,
+            "stream": True}
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            delta = json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+            if delta and ttft is None:
+                ttft = time.perf_counter() - start
+            text.append(delta)
+    return ttft if ttft is not None else time.perf_counter() - start, "".join(text)
+
+
+async def _workload(url: str, conversations: int, turns: int) -> list[float]:
+    histories = [[{"role": "system", "content": SYSTEMS[c % len(SYSTEMS)] + f" (conversation {c})"}]
+                 for c in range(conversations)]
+    ttfts = []
+    async with httpx.AsyncClient(timeout=600) as client:
+        for t in range(turns):
+            for h in histories:
+                h.append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]})
+            results = await asyncio.gather(*(_turn(client, url, h) for h in histories))
+            for h, (ttft, text) in zip(histories, results):
+                h.append({"role": "assistant", "content": text})
+                ttfts.append(ttft)
+    return ttfts
+
+
+def _sum_metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def run(router: str, conversations: int, turns: int, backend: str) -> dict:
+    args = ["--data-parallel-size", "2", "--router", router, "--distributed-backend", backend,
+            "--kv-cache-memory", "0.25"]
+    with ServerProcess(args, startup_timeout=900) as server:
+        ttfts = asyncio.run(_workload(server.base_url, conversations, turns))
+        text = httpx.get(server.url("/metrics"), timeout=10).text
+    hits, queries = _sum_metric(text, "kvserve:prefix_cache_hits_total"), _sum_metric(
+        text, "kvserve:prefix_cache_queries_total")
+    return {"router": router, "prefix_hit_rate": hits / queries if queries else 0.0, "prefix_hits": hits,
+            "prefix_queries": queries, "ttft_p50_s": statistics.median(ttfts),
+            "ttft_p90_s": statistics.quantiles(ttfts, n=10)[-1], "requests": len(ttfts)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--backend", choices=["mp", "ray"], default="mp")
+    p.add_argument("--json", default=None, help="write the results here too")
+    args = p.parse_args()
+    rows = [run(r, args.conversations, args.turns, args.backend) for r in ("round-robin", "prefix-aware")]
+    for r in rows:
+        print(f"{r['router']:13} prefix hit rate {r['prefix_hit_rate']:.3f} ({r['prefix_hits']:.0f} of "
+              f"{r['prefix_queries']:.0f} prompt tokens), TTFT p50 {r['ttft_p50_s']:.3f} s, p90 {r['ttft_p90_s']:.3f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"conversations": args.conversations, "turns": args.turns, "results": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The replica router's choices, the merged /metrics text, and the replicas' argv."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.entrypoints.cluster.proxy import merge_metrics
+from kvserve.entrypoints.cluster.router import LeastLoad, PrefixAware, RoundRobin, make_router
+from kvserve.entrypoints.cluster.serve import replica_argv
+
+SYSTEM = list(range(100, 164))  # 4 blocks of 16 shared by a conversation's turns
+
+
+def test_prefix_aware_sends_a_conversation_back_to_its_replica():
+    r = PrefixAware(3, block_size=16)
+    first = r.choose(SYSTEM + [1] * 20)
+    r.started(first)
+    other = r.choose(list(range(500, 564)))  # no shared prefix: the least loaded, not ``first``
+    assert other != first
+    for _ in range(5):  # later turns resend the history: same replica while the load allows
+        assert r.choose(SYSTEM + [1] * 20 + [2] * 16) == first
+
+
+def test_prefix_aware_yields_to_balance():
+    r = PrefixAware(2, block_size=16, balance_abs=4, balance_rel=1.5)
+    home = r.choose(SYSTEM)
+    for _ in range(4):
+        r.started(home)
+    assert r.choose(SYSTEM) == home  # 4 more in flight than the other: within balance_abs
+    r.started(home)
+    assert r.choose(SYSTEM) != home  # 5 more, and more than 1.5x: the idle replica takes it
+
+
+def test_prefix_aware_forgets_a_replica_that_went_down():
+    r = PrefixAware(2, block_size=16)
+    home = r.choose(SYSTEM)
+    r.mark_down(home)
+    assert r.choose(SYSTEM) != home
+    r.mark_up(home)
+    assert r.matched_blocks(home, [k for k in range(4)]) == 0 and not r.trees[home]
+
+
+def test_round_robin_and_least_load_skip_replicas_that_are_down():
+    rr = RoundRobin(3)
+    rr.mark_down(1)
+    assert [rr.choose([]) for _ in range(4)] == [0, 2, 0, 2]
+    ll = LeastLoad(3)
+    ll.started(0)
+    ll.started(2)
+    assert ll.choose([]) == 1
+    assert ll.choose([], exclude=frozenset({1})) in (0, 2)
+    for i in range(3):
+        ll.mark_down(i)
+    with pytest.raises(LookupError):
+        ll.choose([])
+    with pytest.raises(ValueError, match="router"):
+        make_router("random", 2)
+
+
+def test_merged_metrics_keep_each_family_together_with_a_replica_label():
+    text = ('# HELP kvserve:num_requests_running Running.\n# TYPE kvserve:num_requests_running gauge\n'
+            'kvserve:num_requests_running 3.0\n# HELP kvserve:ttft_seconds TTFT.\n# TYPE kvserve:ttft_seconds histogram\n'
+            'kvserve:ttft_seconds_bucket{le="0.1"} 1.0\nkvserve:ttft_seconds_count 1.0\n')
+    merged = merge_metrics([text, text.replace("3.0", "5.0")]).splitlines()
+    assert merged.count("# TYPE kvserve:num_requests_running gauge") == 1
+    i = merged.index("# TYPE kvserve:num_requests_running gauge")
+    assert merged[i + 1:i + 3] == ['kvserve:num_requests_running{replica="0"} 3.0',
+                                   'kvserve:num_requests_running{replica="1"} 5.0']
+    assert 'kvserve:ttft_seconds_bucket{replica="1",le="0.1"} 1.0' in merged
+    assert merge_metrics(["", text]).count("replica=\"1\"") == 3
+
+
+def test_replicas_get_every_flag_but_the_front_ends():
+    argv = ["model.gguf", "--port", "9000", "--host=0.0.0.0", "--data-parallel-size", "2", "--router=round-robin",
+            "--distributed-backend", "ray", "--ray-address", "auto", "--api-key", "k", "--max-num-seqs", "8"]
+    assert replica_argv(argv) == ["model.gguf", "--api-key", "k", "--max-num-seqs", "8"]
