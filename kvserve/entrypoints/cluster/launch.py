@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -40,10 +41,23 @@ def wait_for_health(base_url: str, proc: subprocess.Popen, timeout: float, poll:
     raise TimeoutError(f"no 200 from {base_url}/health within {timeout:.0f} s")
 
 
-def start_server(args: list[str], host: str = "127.0.0.1", log=None) -> tuple[subprocess.Popen, str]:
-    """``kvserve serve ARGS`` on a free port of ``host``; returns the process and its base URL at once."""
+def start_server(args: list[str], host: str = "127.0.0.1", log=None,
+                 die_with_parent: bool = False) -> tuple[subprocess.Popen, str]:
+    """``kvserve serve ARGS`` on a free port of ``host``; returns the process and its base URL at once.
+
+    ``die_with_parent`` (Linux): the server gets SIGTERM when the thread that started it ends, so a
+    front end that is killed leaves no replica behind; only for a starter on its main thread.
+    """
     port = free_port()
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", "kvserve.cli", "serve", *args, "--host", host, "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env)
+    preexec = _term_with_parent if die_with_parent and sys.platform == "linux" else None
+    proc = subprocess.Popen(cmd, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env,
+                            preexec_fn=preexec)
     return proc, f"http://{host}:{port}"
+
+
+def _term_with_parent() -> None:
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

@@ -23,10 +23,10 @@ STARTUP_TIMEOUT_S = 600.0  # a first start may compile the C++ kernels
 class ProcessReplica:
     """A server process on this machine."""
 
-    def __init__(self, index: int, args: list[str], host: str = "127.0.0.1") -> None:
+    def __init__(self, index: int, args: list[str], host: str = "127.0.0.1", die_with_parent: bool = False) -> None:
         self.index = index
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"kvserve-replica{index}-", suffix=".log", delete=False)
-        self.proc, self.url = start_server(args, host=host, log=self.log)
+        self.proc, self.url = start_server(args, host=host, log=self.log, die_with_parent=die_with_parent)
 
     def wait_ready(self) -> None:
         try:
@@ -135,7 +135,7 @@ def start_replicas(backend: str, num_replicas: int, args: list[str], ray_address
         host = "127.0.0.1" if ray_address is None else None
         replicas = [RayReplica(i, args, host) for i in range(num_replicas)]
     else:
-        replicas = [ProcessReplica(i, args) for i in range(num_replicas)]
+        replicas = [ProcessReplica(i, args, die_with_parent=True) for i in range(num_replicas)]
     try:
         with ThreadPoolExecutor(num_replicas) as pool:
             list(pool.map(lambda r: r.wait_ready(), replicas))
