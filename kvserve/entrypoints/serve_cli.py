@@ -3,6 +3,11 @@
 SIGINT/SIGTERM: uvicorn stops accepting connections, lets in-flight requests finish for up to
 ``--shutdown-timeout`` seconds, then cancels the rest (which aborts them in the engine); the
 engine thread stops and the process exits 0.
+
+A request that makes a step raise fails alone (HTTP 500 naming it); a failure that is not one
+request's (the model fails to load, every request keeps failing) answers every open request with
+an error, shuts the server down and exits 3, so that a supervisor (systemd, Kubernetes) restarts it
+rather than keeping a process that answers 503 forever.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import signal
 from kvserve.entrypoints.cli import add_engine_args, engine_kwargs
 
 logger = logging.getLogger("kvserve.server")
+EXIT_FATAL = 3  # the engine died: not a usage error (2) nor a failed start (1)
 
 
 def add_parser(sub) -> None:
@@ -57,11 +63,20 @@ def serve(args: argparse.Namespace) -> int:
     options = ServerOptions(names, args.api_key, args.max_queue, address, freeze_gc=True)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.info("kvserve %s: loading %s; listening on %s", names[0], kwargs["model"] or "the default model", address)
-    server = uvicorn.Server(uvicorn.Config(build_app(config, options), host=args.host, port=args.port,
+    fatal: list[BaseException] = []
+
+    def stop_on_fatal(error: BaseException) -> None:
+        logger.critical("the engine stopped (%r): shutting down with exit code %d for a restart", error, EXIT_FATAL)
+        fatal.append(error)
+        server.should_exit = True
+
+    server = uvicorn.Server(uvicorn.Config(build_app(config, options, stop_on_fatal), host=args.host, port=args.port,
                                            log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout,
                                            access_log=args.log_level == "debug"))
     _exit_quietly_after_shutdown()
     server.run()
+    if fatal:
+        return EXIT_FATAL
     return 0 if server.started else 1
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from kvserve.config import EngineConfig
+from kvserve.engine.core import RequestFailedError
 from kvserve.engine.stats import EngineSnapshot
 from kvserve.frontend.llm_engine import LLMEngine
 from kvserve.frontend.tokenizer import load_tokenizer
@@ -178,13 +179,18 @@ class RequestStream:
 
 class AsyncEngineClient:
     def __init__(self, config: EngineConfig, max_queue: int = 1024, stats: StatsCollector | None = None,
-                 freeze_gc: bool = False) -> None:
-        """``freeze_gc``: the process serves this client alone (``kvserve serve``), so once the model is
+                 freeze_gc: bool = False, on_fatal: Callable[[BaseException], None] | None = None) -> None:
+        """``on_fatal`` is called on the event loop once the engine thread has died (a failure that is
+        not one request's: it failed to load, or every request kept failing), after every stream has
+        been given the error: a server exits then, so that its supervisor restarts it.
+
+        ``freeze_gc``: the process serves this client alone (``kvserve serve``), so once the model is
         loaded everything alive then is moved out of the cyclic garbage collector's reach until shutdown.
         A full collection otherwise walks ~250K start-up objects (torch, transformers, the model): a
         130-140 ms stall of every stream here, against ~0 ms frozen."""
         self.config = config
         self.freeze_gc = freeze_gc
+        self.on_fatal = on_fatal
         self._froze_gc = False
         self.max_queue = max_queue
         self.stats = stats
@@ -312,10 +318,15 @@ class AsyncEngineClient:
                 if engine.has_unfinished():
                     outputs = engine.step(delta=True)
                     self._publish(engine, outputs)
+                    failed = engine.take_failed()
+                    if failed:
+                        self._record_failures(failed)
         except BaseException as e:  # any failure must turn health red, not vanish
             logger.exception("engine loop died")
             self.error = e
             self._to_loop(self._deliver_error, None, EngineDeadError(f"the engine loop died: {e!r}"))
+            if self.on_fatal is not None:
+                self._to_loop(self.on_fatal, e)
 
     def _load(self) -> LLMEngine:
         """Build and warm up the engine; with ``freeze_gc``, then freeze what is alive. No full
@@ -393,6 +404,13 @@ class AsyncEngineClient:
         if self.stats is not None:
             self.stats.on_added(command.request_id, command.arrival, len(command.prompt_token_ids))
         return True
+
+    def _record_failures(self, failed: list[RequestFailedError]) -> None:
+        """Requests a step took out (engine thread): counted as errors, each stream given its error."""
+        for error in failed:
+            if self.stats is not None:
+                self.stats.on_failed(error.request_id, time.perf_counter())
+            self._to_loop(self._deliver_error, error.request_id, error)
 
     def _abort_all(self, engine: LLMEngine) -> None:
         for request_id in engine.request_ids():

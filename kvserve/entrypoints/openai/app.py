@@ -1,7 +1,8 @@
 """The FastAPI app: thin routes over the endpoint modules, one engine client per app.
 
 The app binds its port before the model loads: /health answers 503 until the engine thread is
-ready (seconds), then 200, and 503 again if the engine loop dies.
+ready (seconds), then 200. If the engine loop dies (a failure that is not one request's), every
+waiting request gets an error and ``kvserve serve`` exits non-zero, for its supervisor to restart.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -132,10 +134,12 @@ class CountIncoming:
             arrival.handed_over()
 
 
-def build_app(config: EngineConfig, options: ServerOptions) -> FastAPI:
-    """An app with its own engine client and metrics registry; the engine starts with the app."""
+def build_app(config: EngineConfig, options: ServerOptions,
+              on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """An app with its own engine client and metrics registry; the engine starts with the app.
+    ``on_fatal``: see AsyncEngineClient (``kvserve serve`` stops the server and exits non-zero)."""
     metrics = PrometheusMetrics(options.model_names[0])
-    client = AsyncEngineClient(config, options.max_queue, StatsCollector(metrics), options.freeze_gc)
+    client = AsyncEngineClient(config, options.max_queue, StatsCollector(metrics), options.freeze_gc, on_fatal)
     state = ServerState(client, list(options.model_names), metrics, options.api_key)
 
     @asynccontextmanager

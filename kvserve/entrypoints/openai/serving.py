@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from kvserve.engine.core import RequestFailedError
 from kvserve.entrypoints.openai.errors import APIError, bad_request, error_body, from_value_error
 from kvserve.entrypoints.openai.protocol import SamplingRequest
 from kvserve.frontend.client import AsyncEngineClient, ModelInfo, RequestStream
@@ -220,6 +221,8 @@ def sse_error(exc: Exception) -> str:
     if isinstance(exc, ValueError):
         err = from_value_error(exc)
         return sse(error_body(400, err.message, err.param))
+    if isinstance(exc, RequestFailedError):
+        return sse(error_body(500, str(exc)))
     return sse(error_body(503, str(exc)))
 
 
