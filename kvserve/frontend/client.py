@@ -124,6 +124,7 @@ class ModelInfo:
     kv_cache_tokens: int
     kv_cache_blocks: int
     block_size: int
+    max_token_bytes: int  # the longest token's text in UTF-8 bytes: bounds a prompt's text before tokenizing
     validate_prompt: Callable[[list[int]], None]  # raise ValueError naming the problem
     validate_params: Callable[[SamplingParams], None]
 
@@ -265,12 +266,25 @@ class AsyncEngineClient:
         Raises EngineNotReadyError, EngineDeadError or QueueFullError at once, before queueing.
         The engine's ValueError, if it rejects the request, comes out of the stream.
         """
-        self._check_admission()
+        self.check_room(params.n)
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
         self._submitted += params.n  # each of the n sequences waits for a slot
         self._commands.put(AddRequest(request_id, prompt_token_ids, params, time.perf_counter()))
         return stream
+
+    def check_room(self, sequences: int) -> None:
+        """QueueFullError (or not ready / dead) unless ``sequences`` more fit in the waiting queue."""
+        self.ready_info()
+        if self.num_waiting + sequences > self.max_queue:
+            raise QueueFullError(f"{self.num_waiting} requests are already waiting (--max-queue {self.max_queue}); "
+                                 "retry later")
+
+    def fail_open_requests_after(self, seconds: float, error: BaseException) -> None:
+        """Thread-safe: in ``seconds``, end every open stream with ``error`` (a server's shutdown
+        deadline: each client gets an error and its stream's end, not a cut connection)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.call_later, seconds, self._deliver_error, None, error)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(AbortRequest(request_id))
@@ -279,11 +293,6 @@ class AsyncEngineClient:
         if self.error is not None or self._stopping or (self._thread is not None and not self._thread.is_alive()):
             raise EngineDeadError(f"the engine is not running ({self.error or 'shut down'})")
 
-    def _check_admission(self) -> None:
-        self.ready_info()
-        if self.num_waiting >= self.max_queue:
-            raise QueueFullError(f"{self.num_waiting} requests are already waiting (--max-queue {self.max_queue}); "
-                                 "retry later")
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -431,6 +440,13 @@ class AsyncEngineClient:
 
 def _model_info(engine: LLMEngine) -> ModelInfo:
     core = engine.core
-    return ModelInfo(load_tokenizer(core.model_path), core.max_model_len, core.model_config.vocab_size,
+    tokenizer = load_tokenizer(core.model_path)
+    return ModelInfo(tokenizer, core.max_model_len, core.model_config.vocab_size,
                      core.kv_info.capacity_tokens, core.kv_info.num_blocks, core.kv_info.block_size,
-                     core.validate_prompt, core.validate_params)
+                     max_token_bytes(tokenizer), core.validate_prompt, core.validate_params)
+
+
+def max_token_bytes(tokenizer: PreTrainedTokenizerBase) -> int:
+    """An upper bound on the text bytes one token stands for: its vocabulary string's UTF-8 length
+    (which counts a byte-level BPE byte as the 1-2 byte character it is written as, so it errs long)."""
+    return max((len(t.encode("utf-8", "surrogatepass")) for t in tokenizer.get_vocab()), default=1)

@@ -50,3 +50,28 @@ def assert_idle(server: ServerProcess, timeout: float = 10.0) -> None:
         time.sleep(0.05)
     assert values == dict.fromkeys(names, 0.0), values
     assert httpx.get(server.url("/health"), timeout=5).status_code == 200
+
+
+def raw_request(server: ServerProcess, head: str, body: bytes = b"", timeout: float = 10.0) -> tuple[int, bytes]:
+    """Send a hand-written HTTP/1.1 request (what an HTTP client would refuse to send, such as a
+    Content-Length with no body behind it) and return the status and response body. Whatever the
+    server does not read is not sent; a server that never answers fails the test by the timeout."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=timeout) as sock:
+        try:
+            sock.sendall(head.replace("\n", "\r\n").encode() + b"\r\n" + body)
+        except OSError:  # the server answered and closed before taking it all, as it may
+            pass
+        data = b""
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except ConnectionResetError:
+                break
+            if not chunk:
+                break
+            data += chunk
+    status_line, _, rest = data.partition(b"\r\n")
+    assert status_line.startswith(b"HTTP/1.1 "), data[:200]
+    return int(status_line.split()[1]), rest.partition(b"\r\n\r\n")[2]
