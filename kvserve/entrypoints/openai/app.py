@@ -23,6 +23,7 @@ from kvserve.entrypoints.openai.errors import error_response, install_error_hand
 from kvserve.entrypoints.openai.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from kvserve.entrypoints.openai.models import list_models
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.entrypoints.openai.schema import install_openapi
 from kvserve.entrypoints.openai.serving import ClientDisconnected, ServerState
 from kvserve.frontend.client import AsyncEngineClient, IncomingRequests
 from kvserve.metrics.prometheus import CONTENT_TYPE, PrometheusMetrics
@@ -146,6 +147,7 @@ def build_app(config: EngineConfig, options: ServerOptions,
     app = FastAPI(title="kvserve", version=VERSION, lifespan=lifespan)
     app.state.kvserve = state
     install_error_handlers(app)
+    install_openapi(app, options.api_key is not None, options.metrics_require_key)
     # Added last, so outermost: a request is counted while its body is being read.
     app.add_middleware(RequestGuard, api_key=options.api_key, max_bytes=options.max_request_bytes,
                        protect_metrics=options.metrics_require_key)
