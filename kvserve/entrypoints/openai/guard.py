@@ -11,8 +11,6 @@ import asyncio
 import hmac
 import json
 
-from kvserve.entrypoints.openai.errors import error_body
-
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # --max-request-bytes
 BODY_TIMEOUT_S = 30.0  # the whole body must arrive within this, or the request gets 408
 _BODY_METHODS = ("POST", "PUT", "PATCH")
@@ -103,6 +101,8 @@ def _replay(body: bytes, receive):
 
 async def _reply(send, status: int, message: str, code: str | None = None) -> None:
     """An OpenAI error JSON; the connection closes after it (the body may be unread)."""
+    from kvserve.entrypoints.openai.errors import error_body  # lazily: serve_cli imports this module
+
     payload = json.dumps(error_body(status, message, code=code)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
                (b"connection", b"close")]
