@@ -1,156 +1,117 @@
-"""`kvserve bench soak`: run a server for N minutes under a steady mixed load (finished requests,
-streams the client leaves, bad payloads) and report its memory over time, the errors seen and
-anything left behind (KV blocks in use, requests running or waiting once the load stops).
+"""`kvserve bench soak --minutes N`: W2-like rounds against a server for N minutes, reporting the
+server's resident memory over time, errors, and leaks (anything still running, waiting or holding
+KV blocks once a round has finished).
 
-The server is started here (``--model`` and ``--serve-args``), so its RSS can be read from /proc;
-without ``--model`` a tiny random-weight model is written to a temporary folder.
+It starts its own `kvserve serve` (MODEL and --server-args), or drives one given by --base-url and
+--pid (the pid is read for RSS). Growth is measured from the end of the warm-up rounds, since the
+first rounds fill the allocator's caches and the prefix cache.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import random
+import math
 import shlex
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
 from kvserve.bench.launch import ServerProcess
+from kvserve.bench.serving import Target, run_load
+from kvserve.bench.workloads import random_requests
 
-API_KEY = "soak-key"
-GAUGES = ("kvserve:num_requests_running", "kvserve:num_requests_waiting", "kvserve:kv_cache_usage_perc")
-# Answers a bad payload may get; anything else (a 5xx above all) counts as an error.
-BAD = [({"prompt": "w5", "top_p": 5e-324, "max_tokens": 4}, 200), ({"prompt": "w5 \ud800"}, 400),
-       ({"prompt": "", "max_tokens": 2}, 400), ({"prompt": "w5", "max_tokens": "2"}, 400),
-       ({"prompt": "w5", "n": 10**6}, 400), ({"prompt": [99999999]}, 400), ({"prompt": "w5", "temperature": -1}, 400)]
+_GAUGES = ("kvserve:num_requests_running", "kvserve:num_requests_waiting", "kvserve:kv_cache_usage_perc")
 
 
 def rss_bytes(pid: int) -> int:
-    """Resident memory of ``pid`` (VmRSS from /proc)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-async def _load(server: ServerProcess, until: float, concurrency: int, seed: int, tally: dict[str, int]) -> None:
-    rng = random.Random(seed)
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    async with httpx.AsyncClient(base_url=server.base_url, headers=headers, timeout=120) as http:
-        async def one() -> None:
-            kind = rng.random()
-            prompt = " ".join(f"w{rng.randrange(5, 400)}" for _ in range(rng.randrange(4, 48)))
-            try:
-                if kind < 0.15:
-                    body, want = rng.choice(BAD)
-                    r = await http.post("/v1/completions", content=json.dumps(body),
-                                        headers={"Content-Type": "application/json"})
-                    tally["bad"] += 1
-                    tally["errors"] += r.status_code != want
-                elif kind < 0.45:  # a stream the client leaves after a few chunks
-                    body = {"prompt": prompt, "max_tokens": 64, "ignore_eos": True, "stream": True}
-                    async with http.stream("POST", "/v1/completions", json=body) as r:
-                        if r.status_code != 200:
-                            tally["errors" if r.status_code != 429 else "429"] += 1
-                            return
-                        seen = 0
-                        async for line in r.aiter_lines():
-                            seen += line.startswith("data:")
-                            if seen >= rng.randrange(1, 6):
-                                break
-                    tally["left"] += 1
-                else:
-                    body = {"prompt": prompt, "max_tokens": rng.choice([8, 32, 96]), "ignore_eos": True,
-                            "n": rng.choice([1, 1, 1, 2]), "temperature": rng.choice([0, 0.8])}
-                    r = await http.post("/v1/completions", json=body)
-                    key = "ok" if r.status_code == 200 else "429" if r.status_code == 429 else "errors"
-                    tally[key] += 1
-            except httpx.HTTPError:
-                tally["errors"] += 1
-
-        async def worker() -> None:
-            while time.monotonic() < until:
-                await one()
-
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-
-
-def _gauges(server: ServerProcess, timeout: float = 30.0) -> dict[str, float | None]:
-    """The running/waiting/KV-usage gauges, waited on until all are 0 (or ``timeout``)."""
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    deadline = time.monotonic() + timeout
+def gauges(base_url: str, headers: dict) -> dict[str, float]:
+    """The running/waiting/KV-usage gauges, once they have settled (a finished round's last output
+    reaches the client a moment before the engine's snapshot is published)."""
+    deadline = time.monotonic() + 5
     while True:
-        text = httpx.get(server.url("/metrics"), headers=headers, timeout=5).text
+        text = httpx.get(base_url + "/metrics", headers=headers, timeout=10).text
         values = {}
-        for name in GAUGES:
-            values[name] = next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                                 if line.startswith((name + "{", name + " "))), None)
+        for line in text.splitlines():
+            for name in _GAUGES:
+                if line.startswith((name + "{", name + " ")):
+                    values[name] = float(line.rsplit(" ", 1)[1])
         if all(v == 0 for v in values.values()) or time.monotonic() > deadline:
             return values
         time.sleep(0.1)
 
 
-def soak(server: ServerProcess, minutes: float, concurrency: int, sample_s: float, seed: int) -> dict:
-    tally = dict.fromkeys(("ok", "left", "bad", "429", "errors"), 0)
-    samples: list[tuple[float, int]] = []
+def soak(args, base_url: str, pid: int) -> dict:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    target = Target(url=base_url + "/v1/completions", model=None, chat=False, ignore_eos=True, headers=headers,
+                    text_prompts=False)
+    samples, errors, leaks, round_no = [], 0, [], 0
     start = time.monotonic()
-    until = start + minutes * 60
-
-    async def run() -> None:
-        load = asyncio.ensure_future(_load(server, until, concurrency, seed, tally))
-        while not load.done():
-            samples.append((time.monotonic() - start, rss_bytes(server.proc.pid)))
-            print(f"  {samples[-1][0]:7.0f} s  RSS {samples[-1][1] / 2**20:7.1f} MiB  {tally}", flush=True)
-            await asyncio.wait([load], timeout=sample_s)
-        await load
-
-    asyncio.run(run())
-    samples.append((time.monotonic() - start, rss_bytes(server.proc.pid)))
-    left = _gauges(server)
-    healthy = httpx.get(server.url("/health"), timeout=5).status_code == 200
-    warm = next((rss for t, rss in samples if t >= min(60.0, minutes * 60 / 5)), samples[0][1])
-    return {"minutes": minutes, "requests": tally, "rss_mib": [(round(t), round(r / 2**20, 1)) for t, r in samples],
-            "rss_start_mib": round(samples[0][1] / 2**20, 1), "rss_warm_mib": round(warm / 2**20, 1),
-            "rss_end_mib": round(samples[-1][1] / 2**20, 1),
-            "growth_after_warmup_pct": round(100 * (samples[-1][1] - warm) / warm, 2),
-            "left_after_load": left, "healthy_after": healthy}
+    end = start + 60 * args.minutes
+    while time.monotonic() < end:
+        reqs = random_requests(args.num_requests, (args.prompt_min, args.prompt_max), (args.output_min, args.output_max),
+                               args.vocab_size, seed=round_no)
+        results, wall = asyncio.run(run_load(reqs, target, math.inf, None, round_no, args.timeout, False))
+        failed = [r.error for r in results if not r.ok]
+        errors += len(failed)
+        left = gauges(base_url, headers)
+        if any(v != 0 for v in left.values()):
+            leaks.append({"round": round_no, **left})
+        sample = {"round": round_no, "t_s": round(time.monotonic() - start, 1), "rss_mib": rss_bytes(pid) / 2**20,
+                  "wall_s": round(wall, 2), "failed": len(failed), "tokens": sum(r.output_tokens for r in results)}
+        samples.append(sample)
+        print(json.dumps(sample), flush=True)
+        round_no += 1
+    warm = samples[min(args.warmup_rounds, len(samples) - 1)]["rss_mib"]
+    last = samples[-1]["rss_mib"]
+    return {"rounds": len(samples), "requests": len(samples) * args.num_requests, "errors": errors,
+            "leaks": leaks, "rss_first_mib": round(samples[0]["rss_mib"], 1), "rss_after_warmup_mib": round(warm, 1),
+            "rss_last_mib": round(last, 1), "rss_max_mib": round(max(s["rss_mib"] for s in samples), 1),
+            "growth_after_warmup_pct": round(100 * (last - warm) / warm, 2)}
 
 
 def run(args) -> int:
-    with tempfile.TemporaryDirectory(prefix="kvserve-soak-") as tmp:
-        model = args.model
-        if model is None:
-            from kvserve.bench.random_model import write_random_model
-
-            model = str(write_random_model(Path(tmp) / "tiny"))
-        serve_args = [model, *shlex.split(args.serve_args), "--api-key", API_KEY, "--max-queue", str(args.max_queue)]
-        print(f"kvserve bench soak: {args.minutes:g} min, {args.concurrency} clients, serve {shlex.join(serve_args)}")
-        with ServerProcess(serve_args) as server:
-            report = soak(server, args.minutes, args.concurrency, args.sample_seconds, args.seed)
-            code = server.stop()
-        report["exit_code"] = code
-    print(json.dumps(report, indent=None if args.json else 1))
-    leaked = any(v != 0 for v in report["left_after_load"].values())
-    failed = report["requests"]["errors"] or leaked or not report["healthy_after"] or code != 0
-    if failed:
-        print("soak FAILED: errors, leaked KV blocks / requests, or an unhealthy server", file=sys.stderr)
-    return 1 if failed else 0
+    if args.minutes <= 0:
+        raise ValueError(f"--minutes {args.minutes} must be > 0")
+    if args.base_url:
+        if args.pid is None:
+            raise ValueError("--base-url needs --pid (the server's process id, for its memory)")
+        summary = soak(args, args.base_url.rstrip("/"), args.pid)
+    else:
+        server_args = ([args.model_path] if args.model_path else []) + shlex.split(args.server_args)
+        if args.api_key:
+            server_args += ["--api-key", args.api_key]
+        with ServerProcess(server_args) as server:
+            summary = soak(args, server.base_url, server.proc.pid)
+    print(json.dumps({"summary": summary}, indent=2))
+    return 0 if summary["errors"] == 0 and not summary["leaks"] else 1
 
 
 def add_parser(bench_sub) -> None:
-    p = bench_sub.add_parser("soak", help="a server under mixed load for N minutes: RSS over time, errors, leaks")
-    p.add_argument("--minutes", type=float, default=30.0)
-    p.add_argument("--model", default=None, help="model path (default: a tiny random-weight model)")
-    p.add_argument("--serve-args", default="--max-model-len 256 --dtype float32",
-                   help="more `kvserve serve` arguments, as one string")
-    p.add_argument("--concurrency", type=int, default=16, help="clients sending one request after another")
-    p.add_argument("--max-queue", type=int, default=64)
-    p.add_argument("--sample-seconds", type=float, default=15.0, help="seconds between RSS samples")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="the report on one line")
+    p = bench_sub.add_parser("soak", help="W2-like load for N minutes: server RSS over time, errors, leaked KV blocks")
+    p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                   help="the model a started server serves (default: the bundled one)")
+    p.add_argument("--minutes", type=float, required=True)
+    p.add_argument("--server-args", default="", help="extra `kvserve serve` flags, as one string")
+    p.add_argument("--base-url", default=None, help="drive this server instead of starting one (needs --pid)")
+    p.add_argument("--pid", type=int, default=None, help="the --base-url server's process id")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--num-requests", type=int, default=64, help="requests per round, sent at once (W2: 64)")
+    p.add_argument("--prompt-min", type=int, default=32)
+    p.add_argument("--prompt-max", type=int, default=512)
+    p.add_argument("--output-min", type=int, default=16)
+    p.add_argument("--output-max", type=int, default=256)
+    p.add_argument("--vocab-size", type=int, default=32000, help="token ids are drawn below this")
+    p.add_argument("--warmup-rounds", type=int, default=2, help="rounds before the growth baseline")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per request")
     p.set_defaults(func=run)
+
+
 
