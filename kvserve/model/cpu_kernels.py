@@ -113,8 +113,9 @@ def torch_signature() -> str:
 
 def _say(message: str) -> None:
     """A line on stderr and in the log: a first start should not look hung while it compiles."""
-    log.warning(message)
-    if not logging.getLogger().handlers:  # nothing configured logging: the warning would go unseen
+    if logging.getLogger().handlers:
+        log.warning(message)
+    else:  # logging is not configured (a script, the LLM class): print it
         print(message, file=sys.stderr, flush=True)
 
 
