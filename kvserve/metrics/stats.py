@@ -70,6 +70,10 @@ class StatsCollector:
     def on_aborted(self, request_id: str, now: float) -> None:
         self._finish(request_id, "abort", now, None)
 
+    def on_failed(self, request_id: str, now: float) -> None:
+        """A step raised for this request and the engine took it out (frontend RequestFailedError)."""
+        self._finish(request_id, "error", now, None)
+
     def _finish(self, request_id: str, reason: str, now: float, queue_time: float | None) -> None:
         live = self._live.pop(request_id, None)
         if live is not None:

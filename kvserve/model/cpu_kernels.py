@@ -2,7 +2,10 @@
 the fused decoder (models/csrc/llama_decode.cpp) can call the other kernels directly.
 
 The build is keyed by the sources' hash, this CPU's instruction-set flags (it is compiled with
--march=native) and the compiler flags. If it cannot be built, callers fall back to plain PyTorch.
+-march=native), the compiler flags and the torch installation (its version and folder: two Python
+environments on one machine rebuilt each other's kernels on every alternation when they shared a
+build folder). A first build says so on stderr and how long it took (1-5 minutes). If it cannot be
+built, callers fall back to plain PyTorch.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import hashlib
 import logging
 import os
 import platform
+import sys
+import time
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
@@ -69,19 +74,49 @@ def load_kernels() -> ModuleType | None:
 
     cflags = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", *_OPENMP,
               *vendor_flags(cpu_vendor(), cpu_family())]
-    code = b"".join(p.read_bytes() for p in [*_SOURCES, *sorted(_HEADERS[0].glob("*.h"))])
-    digest = hashlib.sha256(code + _cpu_signature().encode() + " ".join(cflags).encode()).hexdigest()[:12]
+    digest = build_key(cflags)
     build_dir = cache_dir() / "kernels" / digest
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         with _build_lock(build_dir):
             sources, include = _staged_sources(build_dir)
-            return cpp_extension.load(
-                name=f"kvserve_kernels_{digest}", sources=sources, build_directory=str(build_dir),
+            name = f"kvserve_kernels_{digest}"
+            first = not (build_dir / f"{name}.so").is_file()
+            if first:
+                _say(f"kvserve: compiling the C++ CPU kernels into {build_dir} (once per machine and torch "
+                     "installation; 1-5 minutes)...")
+            start = time.monotonic()
+            module = cpp_extension.load(
+                name=name, sources=sources, build_directory=str(build_dir),
                 extra_cflags=cflags, extra_ldflags=_OPENMP, extra_include_paths=[include], verbose=False)
+            if first:
+                _say(f"kvserve: C++ CPU kernels built in {time.monotonic() - start:.0f} s")
+            return module
     except Exception as e:  # no compiler, no ninja, odd platform: the PyTorch path still works
         log.warning("kvserve: C++ CPU kernels unavailable (%s); using the PyTorch path", e)
         return None
+
+
+def build_key(cflags: list[str]) -> str:
+    """The build folder's name: everything the compiled module depends on."""
+    code = b"".join(p.read_bytes() for p in [*_SOURCES, *sorted(_HEADERS[0].glob("*.h"))])
+    return hashlib.sha256(code + _cpu_signature().encode() + " ".join(cflags).encode()
+                          + torch_signature().encode()).hexdigest()[:12]
+
+
+def torch_signature() -> str:
+    """The torch installation the kernels link against: its version and where it lives."""
+    import torch
+
+    return f"{torch.__version__}:{Path(torch.__file__).resolve().parent}"
+
+
+def _say(message: str) -> None:
+    """A line on stderr and in the log: a first start should not look hung while it compiles."""
+    if logging.getLogger().handlers:
+        log.warning(message)
+    else:  # logging is not configured (a script, the LLM class): print it
+        print(message, file=sys.stderr, flush=True)
 
 
 @contextmanager

@@ -72,3 +72,18 @@ def test_cpuinfo_fields_are_read_by_name(tmp_path, monkeypatch):
     assert threads.cpu_family() == 26
     cpuinfo.write_text("processor\t: 0\n")  # no such fields (some ARM kernels)
     assert threads.cpu_vendor() == "" and threads.cpu_family() is None
+
+
+def test_the_build_key_includes_the_torch_installation(monkeypatch):
+    """Two environments (a test venv, a serving venv) build apart instead of rebuilding each other's."""
+    flags = ["-O3"]
+    here = cpu_kernels.build_key(flags)
+    assert cpu_kernels.build_key(flags) == here
+    monkeypatch.setattr(cpu_kernels, "torch_signature", lambda: "2.13.0:/elsewhere/site-packages/torch")
+    assert cpu_kernels.build_key(flags) != here
+
+
+def test_a_first_build_says_so(capsys, monkeypatch):
+    monkeypatch.setattr(cpu_kernels.logging.getLogger(), "handlers", [])
+    cpu_kernels._say("kvserve: compiling")
+    assert "kvserve: compiling" in capsys.readouterr().err

@@ -1,26 +1,29 @@
 """The FastAPI app: thin routes over the endpoint modules, one engine client per app.
 
 The app binds its port before the model loads: /health answers 503 until the engine thread is
-ready (seconds), then 200, and 503 again if the engine loop dies.
+ready (seconds), then 200. If the engine loop dies (a failure that is not one request's), every
+waiting request gets an error and ``kvserve serve`` exits non-zero, for its supervisor to restart.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvserve.config import EngineConfig
 from kvserve.entrypoints.openai.chat import create_chat_completion
 from kvserve.entrypoints.openai.completions import create_completion
-from kvserve.entrypoints.openai.errors import APIError, error_response, install_error_handlers
+from kvserve.entrypoints.openai.errors import error_response, install_error_handlers
+from kvserve.entrypoints.openai.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from kvserve.entrypoints.openai.models import list_models
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.entrypoints.openai.schema import install_openapi
 from kvserve.entrypoints.openai.serving import ClientDisconnected, ServerState
 from kvserve.frontend.client import AsyncEngineClient, IncomingRequests
 from kvserve.metrics.prometheus import CONTENT_TYPE, PrometheusMetrics
@@ -39,31 +42,23 @@ class ServerOptions:
     max_queue: int = 1024
     address: str = ""  # for the ready log line only
     freeze_gc: bool = False  # the process is this server's alone: see AsyncEngineClient
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    metrics_require_key: bool = False  # /metrics needs the API key too
 
     def __post_init__(self) -> None:
         if not self.model_names or any(not n for n in self.model_names):
             raise ValueError(f"served model names {self.model_names!r} must be non-empty strings")
         if self.max_queue < 1:
             raise ValueError(f"max_queue={self.max_queue} must be >= 1")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes={self.max_request_bytes} must be >= 1024")
 
 
 def _state(request: Request) -> ServerState:
     return request.app.state.kvserve
 
 
-async def _check_api_key(request: Request) -> None:
-    key = _state(request).api_key
-    if key is None:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
-    if not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise APIError(401, "invalid API key", code="invalid_api_key")
-
-
-v1 = APIRouter(prefix="/v1", dependencies=[Depends(_check_api_key)])
+v1 = APIRouter(prefix="/v1")  # the key is checked by RequestGuard, before the body is read
 plain = APIRouter()
 
 
@@ -132,10 +127,12 @@ class CountIncoming:
             arrival.handed_over()
 
 
-def build_app(config: EngineConfig, options: ServerOptions) -> FastAPI:
-    """An app with its own engine client and metrics registry; the engine starts with the app."""
+def build_app(config: EngineConfig, options: ServerOptions,
+              on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """An app with its own engine client and metrics registry; the engine starts with the app.
+    ``on_fatal``: see AsyncEngineClient (``kvserve serve`` stops the server and exits non-zero)."""
     metrics = PrometheusMetrics(options.model_names[0])
-    client = AsyncEngineClient(config, options.max_queue, StatsCollector(metrics), options.freeze_gc)
+    client = AsyncEngineClient(config, options.max_queue, StatsCollector(metrics), options.freeze_gc, on_fatal)
     state = ServerState(client, list(options.model_names), metrics, options.api_key)
 
     @asynccontextmanager
@@ -144,11 +141,16 @@ def build_app(config: EngineConfig, options: ServerOptions) -> FastAPI:
         ready_log = asyncio.ensure_future(_log_when_ready(client, options))
         yield
         ready_log.cancel()
+        state.close()
         await asyncio.to_thread(client.shutdown)
 
     app = FastAPI(title="kvserve", version=VERSION, lifespan=lifespan)
     app.state.kvserve = state
     install_error_handlers(app)
+    install_openapi(app, options.api_key is not None, options.metrics_require_key)
+    # Added last, so outermost: a request is counted while its body is being read.
+    app.add_middleware(RequestGuard, api_key=options.api_key, max_bytes=options.max_request_bytes,
+                       protect_metrics=options.metrics_require_key)
     app.add_middleware(CountIncoming, incoming=client.incoming)
     app.include_router(v1)
     app.include_router(plain)

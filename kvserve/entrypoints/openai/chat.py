@@ -35,7 +35,7 @@ async def create_chat_completion(req: ChatCompletionRequest, state: ServerState,
     info = state.client.ready_info()
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
-    prompt = render_prompt(req, info)
+    prompt = await render_prompt(req, info, state)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = serving.resolve_max_tokens(requested, None, len(prompt), info.max_model_len, "messages", field)
@@ -50,17 +50,24 @@ async def create_chat_completion(req: ChatCompletionRequest, state: ServerState,
     return JSONResponse(_response(job, out, text_of))
 
 
-def render_prompt(req: ChatCompletionRequest, info: ModelInfo) -> list[int]:
-    """The messages through the model's own chat template, as token ids (the template adds any BOS)."""
-    tokenizer = info.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
+async def render_prompt(req: ChatCompletionRequest, info: ModelInfo, state: ServerState) -> list[int]:
+    """The messages through the model's own chat template, as token ids (the template adds any BOS).
+    Their text is checked against the context window first; a long one is rendered off the event loop."""
+    if not getattr(info.tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt)
-    except jinja2.TemplateError as e:
-        raise bad_request(f"messages do not fit the model's chat template: {e}", "messages") from None
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    size = sum(len(m["content"]) for m in messages)
+    serving.check_text(info, "".join(m["content"] for m in messages), "messages")
+
+    def render(tokenizer) -> list[int]:
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=req.add_generation_prompt)
+        except jinja2.TemplateError as e:
+            raise bad_request(f"messages do not fit the model's chat template: {e}", "messages") from None
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    ids = await serving.encode_text(state, render, size)
     serving.check_prompt(info, ids, "messages")
     return ids
 

@@ -35,7 +35,7 @@ async def create_completion(req: CompletionRequest, state: ServerState, request:
     model = resolve_model(req.model, state.model_names)
     info = state.client.ready_info()
     _reject_unsupported(req)
-    prompts = tokenize_prompts(req.prompt, info)
+    prompts = await tokenize_prompts(req.prompt, info, state)
     longest = max(len(p) for p in prompts)
     max_tokens = serving.resolve_max_tokens(req.max_tokens, DEFAULT_MAX_TOKENS, longest, info.max_model_len, "prompt")
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
@@ -58,19 +58,26 @@ def _reject_unsupported(req: CompletionRequest) -> None:
         raise bad_request("echo with logprobs is not supported when streaming", "echo")
 
 
-def tokenize_prompts(prompt, info: ModelInfo) -> list[list[int]]:
-    """Normalise the four prompt forms (string, strings, token ids, lists of token ids) to token ids."""
+async def tokenize_prompts(prompt, info: ModelInfo, state: ServerState) -> list[list[int]]:
+    """Normalise the four prompt forms (string, strings, token ids, lists of token ids) to token ids.
+    Every text is checked against the context window before any is tokenized."""
     if isinstance(prompt, str):
         prompt = [prompt]
     elif prompt and all(isinstance(t, int) for t in prompt):
         prompt = [prompt]
     if not prompt:
         raise bad_request("prompt is empty: give a string, a list of strings, or token ids", "prompt")
-    out = []
     for i, p in enumerate(prompt):
-        ids = info.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
-        if isinstance(p, str) and not p:
-            raise bad_request(f"prompt[{i}] is an empty string", "prompt")
+        if isinstance(p, str):
+            if not p:
+                raise bad_request(f"prompt[{i}] is an empty string", "prompt")
+            serving.check_text(info, p, "prompt")
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            ids = await serving.encode_text(state, lambda tok, p=p: tok.encode(p, add_special_tokens=True), len(p))
+        else:
+            ids = list(p)
         serving.check_prompt(info, ids, "prompt")
         out.append(ids)
     return out

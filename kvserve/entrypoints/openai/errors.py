@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvserve.engine.core import RequestFailedError
 from kvserve.frontend.client import EngineDeadError, EngineNotReadyError, QueueFullError
 
 logger = logging.getLogger("kvserve.server")
@@ -93,6 +94,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(QueueFullError)
     async def _queue_full(_: Request, exc: QueueFullError) -> JSONResponse:
         return error_response(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": "1"})
+
+    @app.exception_handler(RequestFailedError)
+    async def _request_failed(_: Request, exc: RequestFailedError) -> JSONResponse:
+        return error_response(500, str(exc))
 
     @app.exception_handler(EngineNotReadyError)
     @app.exception_handler(EngineDeadError)

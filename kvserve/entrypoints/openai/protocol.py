@@ -1,21 +1,47 @@
 """Request schemas of the OpenAI API (the subset kvserve serves), validated by pydantic.
 
 Types are strict: a string where a number belongs is a 400 naming the field, not a silent cast.
-Unknown fields are ignored, as OpenAI-compatible servers commonly do. Responses are plain dicts
-built by the endpoint modules (cheaper than models on the streaming path).
+Unknown fields are ignored, as OpenAI-compatible servers commonly do. Every string must be valid
+Unicode: JSON can spell a lone UTF-16 surrogate ("\\ud800"), which no tokenizer or response encoder
+takes (it made a 500 and a closed connection). Responses are plain dicts built by the endpoint
+modules (cheaper than models on the streaming path).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvserve.types import MAX_LOGPROBS
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value):
+        if not _valid_text(value):
+            raise ValueError("contains a string that is not valid Unicode (a lone UTF-16 surrogate)")
+        return value
+
+
+def _valid_text(value) -> bool:
+    """True unless a string in ``value`` (itself, in a list, or a dict's keys and values) has a lone surrogate."""
+    if isinstance(value, str):
+        if value.isascii():
+            return True
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(value, list):
+        return all(_valid_text(v) for v in value)
+    if isinstance(value, dict):
+        return all(_valid_text(k) and _valid_text(v) for k, v in value.items())
+    return True
 
 
 class StreamOptions(_Strict):
@@ -71,6 +97,13 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _valid_unicode_extras(self) -> ChatMessage:
+        for name, value in (self.model_extra or {}).items():
+            if not _valid_text(value) or not _valid_text(name):
+                raise ValueError(f"{name} contains a string that is not valid Unicode (a lone UTF-16 surrogate)")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
