@@ -54,7 +54,7 @@ def main() -> None:
 
     def attend(tables):
         for k, v in caches:
-            kernels.paged_decode_attention(q, k, v, tables, lens, HEAD_DIM ** -0.5, 0)
+            kernels.paged_decode_attention(q, k, v, tables, lens, HEAD_DIM ** -0.5, 0, 0)
 
     def read_all():
         for k, v in caches:

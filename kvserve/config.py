@@ -93,6 +93,17 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
+    # Per layer: the sliding window it attends over, or None for full attention (see layer_windows).
+    layer_windows: tuple[int | None, ...] = ()
+
+    def window_of(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def all_layers_windowed(self) -> int | None:
+        """The window when every layer slides over the same one (then old KV blocks can be freed), else None."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 and None not in windows else None
 
     @staticmethod
     def from_hf(cfg: dict[str, Any]) -> ModelConfig:
@@ -123,7 +134,30 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=cfg.get("sliding_window") if use_sw else None,
+            layer_windows=layer_windows(cfg, int(cfg["num_hidden_layers"])),
         )
+
+
+def layer_windows(cfg: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention), following transformers' rules per config
+    style; the engine and the capacity planner both read windows through this."""
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if types:
+        if len(types) != num_layers:
+            raise ValueError(f"config.json: layer_types has {len(types)} entries for {num_layers} layers")
+        return tuple(int(window) if t == "sliding_attention" and window else None for t in types)
+    if not window or cfg.get("use_sliding_window") is False:
+        return (None,) * num_layers
+    if cfg.get("use_sliding_window") and "max_window_layers" in cfg:
+        # Qwen2 style: layers at index >= max_window_layers slide, the first ones attend fully.
+        first = min(int(cfg["max_window_layers"]), num_layers)
+        return (None,) * first + (int(window),) * (num_layers - first)
+    if cfg.get("sliding_window_pattern"):
+        # Gemma 3 style: every pattern-th layer is global.
+        pattern = int(cfg["sliding_window_pattern"])
+        return tuple(None if (i + 1) % pattern == 0 else int(window) for i in range(num_layers))
+    return (int(window),) * num_layers  # Mistral v0.1 style: every layer slides.
 
 
 @dataclass(frozen=True)

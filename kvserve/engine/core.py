@@ -15,7 +15,7 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.engine.stats import EngineSnapshot
 from kvserve.kv_cache.manager import KVCacheManager
-from kvserve.kv_cache.sizing import KVCacheInfo, size_kv_cache
+from kvserve.kv_cache.sizing import KVCacheInfo, max_window_blocks, size_kv_cache
 from kvserve.model.attention.backend import get_backend
 from kvserve.model.loader import auto_dtype, load_model, resolve_model_path
 from kvserve.model.quant.registry import describe_quantization, weight_bytes
@@ -99,9 +99,9 @@ class EngineCore:
             check_fits(self.memory.kv_cache_bytes, "the KV cache",
                        "lower --kv-cache-memory (kv_cache_memory_bytes) or --num-kv-blocks")
         self.max_model_len = min(self.model_config.max_position, config.scheduler.max_model_len or 1 << 62,
-                                 self.kv_info.capacity_tokens)
+                                 self._kv_length_limit(config))
         self.kv_cache = KVCacheManager(self.kv_info.num_blocks, self.kv_info.block_size,
-                                       config.cache.enable_prefix_caching)
+                                       config.cache.enable_prefix_caching, window=self.model_config.all_layers_windowed)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         backend = get_backend(device, config.cache.kv_cache_dtype, config.attention_backend)
         graphs = None if config.enforce_eager else (config.scheduler.max_num_seqs, self.max_model_len)
@@ -112,6 +112,16 @@ class EngineCore:
         self.failed: list[RequestFailedError] = []  # requests a step took out; the caller drains it
         self._failed_steps = 0  # consecutive steps in which every request failed
         self.spec = self._make_speculation(config)
+
+    def _kv_length_limit(self, config: EngineConfig) -> int:
+        """The longest sequence the KV pool holds: all of it, unless every layer slides over a window
+        and a step's blocks (the window plus a full token budget, max_window_blocks) fit the pool; then
+        the blocks behind the window are released as the sequence grows and length is no limit."""
+        window, info = self.model_config.all_layers_windowed, self.kv_info
+        step_tokens = config.scheduler.max_num_batched_tokens  # proposals to verify are cut to the budget too
+        if window is not None and max_window_blocks(window, info.block_size, step_tokens) <= info.num_blocks:
+            return 1 << 62
+        return info.capacity_tokens
 
     def _make_speculation(self, config: EngineConfig) -> SpeculativeController | None:
         spec = config.speculative

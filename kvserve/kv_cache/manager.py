@@ -8,6 +8,12 @@ it never sees the pool's internals. Slot ``s`` of a request's token at position 
 Sharing rule: only full blocks are ever shared (prefix-cache hits, forks), and a request only
 writes at positions >= its ``num_computed_tokens``, which lie past its shared blocks. So a shared
 block is never written; a fork copies the one partly filled block instead of sharing it.
+
+Sliding window (``window``, set when every layer of the model slides over it): the next token
+computed at position ``c`` reads no key before ``c - window + 1``, so once a request has computed
+``c`` tokens the blocks wholly before that position go back to the pool (into the prefix cache if
+they are registered there). Their entries in the table become ``RELEASED``: positions keep their
+indices, and no kernel reads a block before a sequence's window start.
 """
 
 from __future__ import annotations
@@ -19,8 +25,18 @@ from kvserve.kv_cache.hashing import BlockKey, chain_keys
 from kvserve.request import Request
 
 
+RELEASED = -1  # a table entry whose block went back to the pool (outside the sliding window)
+
+
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+def first_needed_block(num_computed: int, window: int | None, block_size: int) -> int:
+    """Index of the first block the next computed token (at position ``num_computed``) may read."""
+    if window is None:
+        return 0
+    return max(0, num_computed - window + 1) // block_size
 
 
 @dataclass
@@ -38,14 +54,20 @@ class PrefixCacheStats:
 class KVCacheManager:
     """Owns the block pool and every request's block table."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int | None = None) -> None:
+        """``window``: the sliding window of a model whose every layer slides (see the module doc)."""
+        if window is not None and window < 1:
+            raise ValueError(f"window={window} must be >= 1")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window
         self.pool = BlockPool(num_blocks)
         self.prefix_stats = PrefixCacheStats()
         self._tables: dict[str, list[int]] = {}
         self._keys: dict[str, list[BlockKey]] = {}  # full-block keys of a request's tokens so far
         self._num_registered: dict[str, int] = {}  # leading blocks of the table already in the cache
+        self._num_released: dict[str, int] = {}  # leading blocks of the table released (outside the window)
 
     @property
     def num_blocks(self) -> int:
@@ -62,6 +84,10 @@ class KVCacheManager:
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now (its table less the entries released outside the window)."""
+        return len(self._tables.get(request_id, [])) - self._num_released.get(request_id, 0)
 
     # ---- prefix cache -----------------------------------------------------------------------
     def match_prefix(self, request: Request) -> list[int]:
@@ -93,9 +119,14 @@ class KVCacheManager:
         self.prefix_stats.hits += num_hit_tokens
 
     def commit_computed(self, request: Request) -> None:
-        """Publish the request's newly completed full blocks in the prefix cache."""
-        if not self.enable_prefix_caching:
-            return
+        """Publish the request's newly completed full blocks in the prefix cache, then (sliding
+        window) release the blocks its next token can no longer read."""
+        if self.enable_prefix_caching:
+            self._register_computed(request)
+        if self.window is not None:
+            self._release_outside_window(request.request_id, request.num_computed_tokens)
+
+    def _register_computed(self, request: Request) -> None:
         rid = request.request_id
         table = self._tables.get(rid, [])
         done = min(request.num_computed_tokens // self.block_size, len(table))
@@ -104,8 +135,21 @@ class KVCacheManager:
             return
         keys = self._request_keys(request, done)
         for i in range(start, done):
-            self.pool.register(table[i], keys[i])
+            if table[i] != RELEASED:
+                self.pool.register(table[i], keys[i])
         self._num_registered[rid] = done
+
+    def _release_outside_window(self, request_id: str, num_computed: int) -> None:
+        table = self._tables.get(request_id)
+        if not table:
+            return
+        start = self._num_released.get(request_id, 0)
+        end = min(first_needed_block(num_computed, self.window, self.block_size), len(table))
+        if end <= start:
+            return
+        self.pool.free([b for b in table[start:end] if b != RELEASED])
+        table[start:end] = [RELEASED] * (end - start)
+        self._num_released[request_id] = end
 
     def _request_keys(self, request: Request, num_blocks: int) -> list[BlockKey]:
         keys = self._keys.get(request.request_id, [])
@@ -126,15 +170,20 @@ class KVCacheManager:
         if prefix and table:
             raise RuntimeError(f"request {request_id} already has blocks; a prefix can only start a table")
         missing = blocks_needed(num_tokens, self.block_size) - len(table) - len(prefix)
-        reclaimed = sum(1 for b in prefix if self.pool.ref_count(b) == 0)  # cached blocks leave the free queue
+        # (sliding window) the prefix's blocks before the first computed token's window are not read: not taken
+        skip = first_needed_block(len(prefix) * self.block_size, self.window, self.block_size) if prefix else 0
+        reclaimed = sum(1 for b in prefix[skip:] if self.pool.ref_count(b) == 0)  # cached blocks leave the free queue
         if missing > self.pool.num_free_blocks - reclaimed:
             return False
         table = self._tables.setdefault(request_id, table)
-        for b in prefix:
+        table.extend([RELEASED] * skip)
+        for b in prefix[skip:]:
             self.pool.touch(b)
             table.append(b)
         if prefix:
             self._num_registered[request_id] = len(prefix)
+        if skip:
+            self._num_released[request_id] = skip
         if missing > 0:
             table.extend(self.pool.allocate(missing))
         return True
@@ -149,9 +198,12 @@ class KVCacheManager:
             raise RuntimeError(f"cannot fork {parent_id} ({len(parent)} blocks) at {num_tokens} tokens")
         if partial and self.pool.num_free_blocks < 1:
             return None
+        if not self.can_fork(parent_id, num_tokens):
+            raise RuntimeError(f"cannot fork {parent_id} at {num_tokens} tokens: it released blocks the child reads")
         table = []
         for b in parent[:full]:
-            self.pool.touch(b)
+            if b != RELEASED:
+                self.pool.touch(b)
             table.append(b)
         copies = []
         if partial:
@@ -160,14 +212,23 @@ class KVCacheManager:
             table.append(dst)
         self._tables[child_id] = table
         self._num_registered[child_id] = min(full, self._num_registered.get(parent_id, 0))
+        released = sum(1 for b in table if b == RELEASED)  # always a leading run
+        if released:
+            self._num_released[child_id] = released
         return copies
+
+    def can_fork(self, parent_id: str, num_tokens: int) -> bool:
+        """Whether the parent still holds every block a child starting at ``num_tokens`` reads."""
+        first = first_needed_block(num_tokens, self.window, self.block_size)
+        return RELEASED not in self._tables.get(parent_id, [])[first:blocks_needed(num_tokens, self.block_size)]
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks (finished, aborted or preempted). Cached ones stay reusable."""
         table = self._tables.pop(request_id, None)
         self._num_registered.pop(request_id, None)
+        self._num_released.pop(request_id, None)
         if table:
-            self.pool.free(list(reversed(table)))  # tail first: leaves are evicted before roots
+            self.pool.free([b for b in reversed(table) if b != RELEASED])  # tail first: leaves are evicted before roots
 
     def forget(self, request_id: str) -> None:
         """Drop everything about a request that has ended (its blocks and its cached block keys)."""
@@ -178,9 +239,12 @@ class KVCacheManager:
         """Pool consistency, and every owned block's ref count equals the tables that hold it."""
         self.pool.check_invariants()
         holders: dict[int, int] = {}
-        for table in self._tables.values():
-            assert len(table) == len(set(table)), "a table holds a block twice"
-            for b in table:
+        for rid, table in self._tables.items():
+            released = self._num_released.get(rid, 0)
+            assert all(b == RELEASED for b in table[:released]), "a released entry still names a block"
+            held = table[released:]
+            assert RELEASED not in held and len(held) == len(set(held)), "a table holds a block twice"
+            for b in held:
                 holders[b] = holders.get(b, 0) + 1
         for b in range(self.pool.num_blocks):
             assert self.pool.ref_count(b) == holders.get(b, 0), f"block {b}: ref count != tables holding it"

@@ -47,6 +47,16 @@ def mla_kv_bytes_per_token(num_layers: int, kv_lora_rank: int, qk_rope_head_dim:
     return int(num_layers * (kv_lora_rank + qk_rope_head_dim) * dtype_bytes)
 
 
+def max_window_blocks(window: int, block_size: int, query_tokens: int = 1) -> int:
+    """Most blocks a request holds under a sliding window when every layer slides: a step's
+    ``query_tokens`` read the ``window + query_tokens - 1`` positions before and including them, and
+    the blocks wholly before those are released (kv_cache/manager.py). A span of L positions touches
+    at most ceil((L - 1) / block_size) + 1 blocks, whatever its offset in the first one."""
+    if window < 1 or block_size < 1 or query_tokens < 1:
+        raise ValueError("window, block_size and query_tokens must be positive")
+    return -(-(window + query_tokens - 2) // block_size) + 1
+
+
 def kv_capacity_tokens(budget_bytes: int, block_size: int, bytes_per_token: int) -> int:
     """Tokens the cache holds: whole blocks only, as the engine allocates them."""
     return num_kv_blocks_for_budget(budget_bytes, block_size, bytes_per_token) * block_size

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
-from kvserve.kv_cache.sizing import kv_bytes_per_token, kv_capacity_tokens, mla_kv_bytes_per_token
+from kvserve.kv_cache.sizing import kv_bytes_per_token, kv_capacity_tokens, max_window_blocks, mla_kv_bytes_per_token
 from kvserve.planner.hardware import Hardware
 from kvserve.planner.shape import Inventory, ModelShape, inventory
 from kvserve.planner.weights import WeightBytes, canonical_dtype, kv_dtype_bytes, quant_scheme, weight_bytes
@@ -104,7 +104,8 @@ def kv_bytes_per_user(setup: Setup, context: int) -> int:
     m, bs, elem = setup.model, setup.block_size, setup.kv_element_bytes
     sliding = m.num_sliding_layers if setup.cap_sliding_window and m.sliding_window else 0
     full_tokens = _round_up(context, bs)
-    window_tokens = min(full_tokens, _round_up(m.sliding_window or 0, bs))
+    # the engine's own bound on a windowed request's blocks (decode steps; see max_window_blocks)
+    window_tokens = min(full_tokens, max_window_blocks(m.sliding_window, bs) * bs if m.sliding_window else 0)
     return (layers_kv_bytes_per_token(m, m.num_layers - sliding, elem) * full_tokens
             + layers_kv_bytes_per_token(m, sliding, elem) * window_tokens)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.config import layer_windows
+
 
 @dataclass(frozen=True)
 class MlaShape:
@@ -93,21 +95,9 @@ class ModelShape:
 
 
 def _sliding_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int | None, int]:
-    """(window, how many layers use it), following transformers' rules per config style."""
-    window = cfg.get("sliding_window")
-    types = cfg.get("layer_types")
-    if types:
-        n = sum(t == "sliding_attention" for t in types)
-        return (int(window), n) if n and window else (None, 0)
-    if not window or cfg.get("use_sliding_window") is False:
-        return None, 0
-    if cfg.get("use_sliding_window") and "max_window_layers" in cfg:
-        # Qwen2 style: layers at index >= max_window_layers slide, the first ones attend fully.
-        return int(window), num_layers - min(int(cfg["max_window_layers"]), num_layers)
-    if cfg.get("sliding_window_pattern"):
-        # Gemma 3 style: every pattern-th layer is global.
-        return int(window), num_layers - num_layers // int(cfg["sliding_window_pattern"])
-    return int(window), num_layers  # Mistral v0.1 style: every layer slides.
+    """(window, how many layers use it): the engine's own per-layer rule (config.layer_windows)."""
+    windows = [w for w in layer_windows(cfg, num_layers) if w is not None]
+    return (windows[0], len(windows)) if windows else (None, 0)
 
 
 def _mla(cfg: dict[str, Any]) -> MlaShape | None:

@@ -169,7 +169,9 @@ class Scheduler:
         if request.fork_of is None:
             return None
         leader = self.requests.get(request.fork_of)
-        if leader is None or request.num_computed_tokens or request.output_token_ids:
+        # (a sliding-window leader may have gone past the prompt and released blocks the follower reads)
+        if (leader is None or request.num_computed_tokens or request.output_token_ids
+                or not self.kv_cache.can_fork(leader.request_id, request.num_prompt_tokens - 1)):
             request.fork_of = None
             return None
         return leader

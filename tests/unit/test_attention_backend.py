@@ -113,15 +113,61 @@ def test_kernel_fp8_decodes_every_value():
     cache[1, :, 0, 0] = torch.cat((rows, scale), dim=1)
     q = torch.randn(4, 1, dim)
     out = kernels.paged_decode_attention(q, cache[0], cache[1], torch.arange(4).view(4, 1),
-                                         torch.ones(4, dtype=torch.int64), dim**-0.5, 2)
+                                         torch.ones(4, dtype=torch.int64), dim**-0.5, 2, 0)
     expected = rows.view(torch.float8_e4m3fn).float() * 0.75
     torch.testing.assert_close(out[:, 0], expected, atol=0, rtol=1e-6)
 
 
+def _naive_step(q, cache, meta, scale, window):
+    """Each query row against its sequence's keys, gathered one position at a time: the semantics."""
+    out = torch.empty_like(q)
+    bs = meta.block_size
+    for i in range(meta.num_seqs):
+        start, end, seq_len = meta.query_start[i], meta.query_start[i + 1], meta.seq_lens[i]
+        table = meta.block_tables[i]
+        for row in range(start, end):
+            pos = seq_len - (end - row)
+            first = 0 if window is None else max(0, pos - window + 1)
+            slots = [int(table[t // bs]) * bs + t % bs for t in range(first, pos + 1)]
+            keys = cache[0].flatten(0, 1)[slots].float()  # [L, Hkv, D]
+            values = cache[1].flatten(0, 1)[slots].float()
+            group = q.shape[1] // keys.shape[1]
+            scores = torch.einsum("hd,lhd->hl", q[row].float(), keys.repeat_interleave(group, 1)) * scale
+            out[row] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values.repeat_interleave(group, 1)).to(q.dtype)
+    return out
+
+
+@pytest.mark.parametrize("use_kernels", [False, True])
+@pytest.mark.parametrize("window", [1, 5, 17, 64])
+@pytest.mark.parametrize("dim", [48, 64])  # 48: the scalar decode kernel, 64: the vectorised ones
+def test_sliding_window_matches_naive(use_kernels, window, dim):
+    """A mixed step (decodes, fresh prompts longer and shorter than the window, chunks after a
+    cached prefix) with a sliding window, against attention over each row's last ``window`` keys."""
+    if use_kernels and load_cpu_kernels() is None:
+        pytest.skip("C++ kernels could not be built on this machine")
+    torch.manual_seed(0)
+    bs, heads, kv_heads = 4, 6, 2
+    chunks = [(0, 1), (30, 1), (0, 37), (33, 20), (9, 1), (70, 3), (3, 2)]
+    meta = mixed_metadata(chunks, bs, num_blocks=128)
+    backend = TorchAttentionBackend(use_kernels=use_kernels)
+    cache = torch.randn(2, 128, bs, kv_heads, dim)
+    total = meta.query_start[-1]
+    q, k, v = torch.randn(total, heads, dim), torch.randn(total, kv_heads, dim), torch.randn(total, kv_heads, dim)
+    out = backend.forward(q, k, v, cache, meta, dim**-0.5, window=window)  # writes k, v into the cache
+    torch.testing.assert_close(out, _naive_step(q, cache, meta, dim**-0.5, window), atol=1e-5, rtol=1e-5)
+    # a pure decode step too (the kernels' batched decode path)
+    decodes = _decode_meta([1, 5, 16, 17, 90, 33], bs, num_blocks=128)
+    q = torch.randn(6, heads, dim)
+    out = backend.forward(q, torch.randn(6, kv_heads, dim), torch.randn(6, kv_heads, dim), cache, decodes,
+                          dim**-0.5, window=window)
+    torch.testing.assert_close(out, _naive_step(q, cache, decodes, dim**-0.5, window), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 3, 40])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
 @pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (8, 1, 64)])
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_paged_prefill_matches_sdpa(kv_cache_dtype, heads, kv_heads, dim, block_size):
+def test_paged_prefill_matches_sdpa(kv_cache_dtype, heads, kv_heads, dim, block_size, window):
     """A bf16 mixed step (decodes, fresh prompts, chunks after a cached prefix, a chunk longer than a
     64-token task) through the paged prefill kernel and through SDPA, each on its own cache copy; a
     quantized cache is dequantized by both as the reference does."""
@@ -143,8 +189,8 @@ def test_paged_prefill_matches_sdpa(kv_cache_dtype, heads, kv_heads, dim, block_
         x = torch.randn(num_blocks * block_size, kv_heads, dim).bfloat16()
         flat[i] = x if fast.kv_format is None else fast.kv_format.quantize(x)
     assert fast._paged_prefill(q, cache)
-    out_fast = fast.forward(q, k, v, cache.clone(), meta, dim**-0.5)
-    out_ref = ref.forward(q, k, v, cache.clone(), meta, dim**-0.5)
+    out_fast = fast.forward(q, k, v, cache.clone(), meta, dim**-0.5, window=window)
+    out_ref = ref.forward(q, k, v, cache.clone(), meta, dim**-0.5, window=window)
     # bf16 outputs and bf16 attention weights (as SDPA rounds them too): a step or two apart
     torch.testing.assert_close(out_fast.float(), out_ref.float(), atol=2e-2, rtol=2e-2)
     assert (out_fast.float() - out_ref.float()).abs().mean() < 2e-3

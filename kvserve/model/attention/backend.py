@@ -59,8 +59,12 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
-    ) -> torch.Tensor: ...
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """Writes k, v into the cache and returns causal attention of q over each sequence's cached
+        tokens; with ``window``, query position p sees only positions (p - window, p] (a sliding
+        window, as transformers applies it), so KV before a sequence's window is never read."""
 
     def fused_cache_kind(self, device: torch.device) -> int | None:
         """The paged-cache kind a fused C++ decode step may read and write directly, or None."""

@@ -10,6 +10,8 @@ reads quantized rows directly). Prefill chunks in bf16 on a CPU with AMX or AVX5
 prefill kernel, all in one call (it dequantizes int8 / fp8 rows as it packs them); otherwise they
 run one sequence at a time through SDPA, reading the cached prefix only when there is one
 (dequantizing the gathered blocks for a quantized cache).
+A sliding window is a start position per sequence for the C++ kernels; on the SDPA paths it reads
+only the blocks from the window's start and masks the positions before it.
 """
 
 from __future__ import annotations
@@ -55,25 +57,27 @@ class TorchAttentionBackend:
         return self.kernel_kind
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D]. Writes k, v into the cache, returns [T, Hq, D]."""
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]. Writes k, v into the cache, returns [T, Hq, D]; with
+        ``window``, position p attends to positions (p - window, p] only."""
         self._write(k, v, kv_cache, meta)
         if not meta.prefill_seqs:  # a pure decode step (the common one): every row is a sequence's query
-            return self._decode(q, kv_cache, meta, scale)
+            return self._decode(q, kv_cache, meta, scale, window)
         out = torch.empty_like(q)
         if meta.decode_seqs:
             rows = meta.decode_token_index
-            out[rows] = self._decode(q[rows], kv_cache, meta, scale)
+            out[rows] = self._decode(q[rows], kv_cache, meta, scale, window)
         if self._paged_prefill(q, kv_cache):  # every prefill chunk in one call, straight from the blocks
             self.kernels.paged_prefill_attention(_heads_contiguous(q), kv_cache[0], kv_cache[1], meta.block_tables,
                                                  meta.seq_lens, meta.query_start, meta.prefill_seqs, scale,
-                                                 self.kernel_kind, out)
+                                                 self.kernel_kind, window or 0, out)
             return out
         k, v = self._as_cached(k), self._as_cached(v)
         for i in meta.prefill_seqs:
             start, end = meta.query_start[i], meta.query_start[i + 1]
-            out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], kv_cache, meta, i, scale)
+            out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], kv_cache, meta, i, scale, window)
         return out
 
     def _paged_prefill(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -110,38 +114,62 @@ class TorchAttentionBackend:
         blocks = cache[table]
         return blocks if self.kv_format is None else self.kv_format.dequantize(blocks, dtype)
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                window: int | None = None) -> torch.Tensor:
         tables, seq_lens = meta.decode_block_tables, meta.decode_seq_lens  # [B, nb], [B]
         if self.kernels is not None and q.device.type == "cpu":
             return self.kernels.paged_decode_attention(q.contiguous(), kv_cache[0], kv_cache[1], tables, seq_lens,
-                                                       scale, self.kernel_kind)
+                                                       scale, self.kernel_kind, window or 0)
+        first = 0
+        if window is not None:  # gather from the block holding the earliest window start, no further back
+            first = max(0, min(meta.seq_lens[i] for i in meta.decode_seqs) - window) // meta.block_size
+            tables = tables[:, first:]
         keys = self._gather(kv_cache[0], tables, q.dtype).flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
         values = self._gather(kv_cache[1], tables, q.dtype).flatten(1, 2).transpose(1, 2)
-        positions = torch.arange(keys.shape[2], device=q.device)
-        mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+        positions = first * meta.block_size + torch.arange(keys.shape[2], device=q.device)
+        visible = positions[None, :] < seq_lens[:, None]
+        if window is not None:
+            visible &= positions[None, :] >= seq_lens[:, None] - window
+        mask = visible[:, None, None, :]  # [B, 1, 1, L]
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
         )  # [B, Hq, 1, D]
         return out.squeeze(2)
 
     def _prefill(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, i: int, scale: float
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, i: int,
+        scale: float, window: int | None = None,
     ) -> torch.Tensor:
         num_new, seq_len = q.shape[0], meta.seq_lens[i]
         q_t = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        # Query j sits at position seq_len - num_new + j and sees keys up to and including itself
+        # (and, with a window, none at or before its position - window).
+        q_pos = torch.arange(seq_len - num_new, seq_len, device=q.device)
         if seq_len == num_new:  # nothing cached before this chunk: attend to the chunk itself
             keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-            out = F.scaled_dot_product_attention(q_t, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+            if window is None or window >= num_new:
+                out = F.scaled_dot_product_attention(q_t, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+                return out[0].transpose(0, 1)
+            out = F.scaled_dot_product_attention(q_t, keys, values, attn_mask=_causal_mask(q_pos, q_pos, window),
+                                                 scale=scale, enable_gqa=True)
             return out[0].transpose(0, 1)
+        first = 0 if window is None else max(0, seq_len - num_new - window + 1) // meta.block_size
         num_blocks = -(-seq_len // meta.block_size)
-        table = meta.block_tables[i, :num_blocks]
-        keys = self._gather(kv_cache[0], table, q.dtype).flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
-        values = self._gather(kv_cache[1], table, q.dtype).flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
-        # Query j sits at position seq_len - num_new + j and sees keys up to and including itself.
-        q_pos = torch.arange(seq_len - num_new, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        out = F.scaled_dot_product_attention(q_t, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        table = meta.block_tables[i, first:num_blocks]
+        key_pos = torch.arange(first * meta.block_size, seq_len, device=q.device)
+        keys = self._gather(kv_cache[0], table, q.dtype).flatten(0, 1)[:len(key_pos)].transpose(0, 1).unsqueeze(0)
+        values = self._gather(kv_cache[1], table, q.dtype).flatten(0, 1)[:len(key_pos)].transpose(0, 1).unsqueeze(0)
+        out = F.scaled_dot_product_attention(q_t, keys, values, attn_mask=_causal_mask(q_pos, key_pos, window),
+                                             scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
+
+
+def _causal_mask(q_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[queries, keys] True where the query at ``q_pos`` may see the key at ``key_pos``."""
+    mask = key_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= key_pos[None, :] > q_pos[:, None] - window
+    return mask
 
 
 def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:

@@ -57,7 +57,7 @@ def _paged_attention(
     q_stride_t, q_stride_h, out_stride_t, out_stride_h,
     cache_stride_block, cache_stride_tok, cache_stride_head, table_stride,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    TOKENS: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
+    TOKENS: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -84,7 +84,10 @@ def _paged_attention(
         l_i = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, DIM_PAD], tl.float32)
         cols = tl.arange(0, TILE)
-        for start in range(0, kv_end, TILE):
+        kv_begin = 0
+        if WINDOW > 0:  # a sliding window: the tile's first query sees nothing before here
+            kv_begin = tl.maximum(context + q_tile * TOKENS - WINDOW + 1, 0)
+        for start in range(kv_begin, kv_end, TILE):
             pos = start + cols
             pos_ok = pos < kv_end
             block = tl.load(block_tables_ptr + seq * table_stride + pos // BLOCK_SIZE, mask=pos_ok, other=0)
@@ -93,7 +96,10 @@ def _paged_attention(
             k = tl.load(key_cache_ptr + offs[None, :] + dims[:, None], mask=pos_ok[None, :] & dim_ok[:, None],
                         other=0.0)  # [DIM_PAD, TILE]
             s = tl.dot(q, k, input_precision=PRECISION) * scale
-            s = tl.where((pos[None, :] <= q_pos[:, None]) & pos_ok[None, :], s, float("-inf"))
+            visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+            if WINDOW > 0:
+                visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
+            s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
@@ -126,8 +132,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start: torch.Tensor, max_query_len: int, scale: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of the flat queries q [T, Hq, D] over each sequence's cached keys.
+                    out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """Causal attention of the flat queries q [T, Hq, D] over each sequence's cached keys (with
+    ``window``, position p sees positions (p - window, p] only).
 
     Sequence i owns query rows ``query_start[i]:query_start[i + 1]``, the last of its
     ``seq_lens[i]`` cached tokens; ``block_tables`` [num_seqs, width] maps its positions to blocks.
@@ -155,6 +162,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         # float32 products in full precision (Triton's default for them is TF32, ~1e-3 relative):
         # a float32 model must match its float32 reference.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        WINDOW=window or 0,
     )
     return out
 
@@ -176,11 +184,11 @@ class TritonAttentionBackend:
         return None  # the fused decode step is the CPU's
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]. Writes k, v into the cache, returns [T, Hq, D]."""
         store_kv(k, v, kv_cache, meta.slot_mapping)
         return paged_attention(q, kv_cache, meta.block_tables, meta.seq_lens_t, meta.query_start_device(),
-                               meta.max_query_len, scale)
+                               meta.max_query_len, scale, window=window)
 
 
 @register_backend("cuda")

@@ -99,7 +99,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 // attention/csrc/paged_decode.cpp
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                                  int64_t kind);
+                                  int64_t kind, int64_t window);
 
 // attention/csrc/kv_write.cpp: k, v [T, Hkv, D] (heads contiguous, any token stride) into their slots.
 void write_kv_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& cache, const at::Tensor& slots,
@@ -110,7 +110,7 @@ bool paged_prefill_supported(int64_t head_dim);
 void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& block_tables, const std::vector<int64_t>& seq_lens,
                              const std::vector<int64_t>& query_start, const std::vector<int64_t>& seqs, double scale,
-                             int64_t kv_kind, at::Tensor& out);
+                             int64_t kv_kind, int64_t window, at::Tensor& out);
 // models/csrc/llama_decode.cpp: a whole decode step of the Llama-family decoder in one call.
 
 // One Linear as the eager model applies it (quant/methods.py), y = x W^T (+ bias).
@@ -139,7 +139,7 @@ class LlamaDecoder {
  public:
   LlamaDecoder(std::vector<LayerSpec> layers, at::Tensor final_norm, at::Tensor cos, at::Tensor sin,
                std::vector<at::Tensor> kv_caches, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-               double eps, double scale, int64_t kv_kind);
+               double eps, double scale, int64_t kv_kind, std::vector<int64_t> windows);
   at::Tensor forward(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& slot_mapping,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens) const;
 
@@ -151,4 +151,5 @@ class LlamaDecoder {
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
   int64_t kv_kind_;  // paged_decode_attention's cache kind: 0 the model dtype, 1 int8, 2 fp8
+  std::vector<int64_t> windows_;  // each layer's sliding window, 0 for full attention
 };

@@ -63,7 +63,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       }));
   py::class_<LlamaDecoder>(m, "LlamaDecoder", py::module_local())
       .def(py::init<std::vector<LayerSpec>, at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>, int64_t,
-                    int64_t, int64_t, double, double, int64_t>())
+                    int64_t, int64_t, double, double, int64_t, std::vector<int64_t>>())
       .def("forward", &LlamaDecoder::forward, "hidden states after the final norm, for one decode token per sequence",
            no_gil);
 }

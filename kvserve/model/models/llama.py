@@ -20,8 +20,9 @@ from kvserve.model.layers.rotary import RotaryEmbedding
 
 
 class Attention(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, layer: int = 0) -> None:
         super().__init__()
+        self.window = cfg.window_of(layer)  # sliding window of this layer, None: full attention
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, q + 2 * kv, cfg.attention_bias, dtype,
@@ -41,7 +42,7 @@ class Attention(torch.nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         rotary(positions, q, k)
-        out = backend.forward(q, k, v, kv_cache, meta, self.scale)
+        out = backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
 
@@ -58,9 +59,9 @@ class MLP(torch.nn.Module):
 
 
 class DecoderLayer(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, dtype)
+        self.self_attn = Attention(cfg, dtype, layer)
         self.mlp = MLP(cfg, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -81,7 +82,7 @@ class Backbone(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = torch.nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.layers = torch.nn.ModuleList(DecoderLayer(cfg, dtype, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 

@@ -58,5 +58,5 @@ def build_fused_decoder(model: torch.nn.Module, kv_caches: list[torch.Tensor],
     first = backbone.layers[0].self_attn
     native = kernels.LlamaDecoder(layers, backbone.norm.weight, model.rotary.cos, model.rotary.sin, kv_caches,
                                   first.num_heads, first.num_kv_heads, first.head_dim, cfg.rms_norm_eps, first.scale,
-                                  cache_kind)
+                                  cache_kind, [layer.self_attn.window or 0 for layer in backbone.layers])
     return FusedDecoder(model, native)

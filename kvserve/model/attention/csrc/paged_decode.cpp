@@ -4,6 +4,8 @@
 // Layout (per layer): k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] in the query's
 // dtype, or for a quantized cache (kind 1 = int8, 2 = fp8 e4m3) uint8 rows of head_dim + 2 bytes: the
 // values, then a float16 scale for that token and head (see kv_quant.py); rows are dequantized on read.
+// A sliding window (window > 0) makes a sequence attend to its last `window` tokens only: every kernel
+// walks the block table from that start position (no mask), so the blocks before it are never read.
 // Work is split over (sequence, kv head) pairs; the query heads of one GQA group share every
 // key/value row they read, so each row is loaded once per group. A bf16 cache with head_dim 64 or
 // 128 has its own kernel (decode_bf16), which also splits a few long sequences over the threads.
@@ -29,6 +31,11 @@
 #endif
 
 namespace {
+
+// The first position a sequence of `seq_len` tokens attends to under a sliding window (0: none).
+inline int64_t window_start(int64_t seq_len, int64_t window) {
+  return window > 0 && seq_len > window ? seq_len - window : 0;
+}
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) {
@@ -101,9 +108,10 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t len) {
 }
 
 template <typename T, typename Rows>
-void decode_one(const T* q, const Rows& k_rows, const Rows& v_rows, const int64_t* table, int64_t seq_len,
-                int64_t block_size, int64_t head, int64_t group, int64_t head_dim, float scale,
+void decode_one(const T* q, const Rows& k_rows, const Rows& v_rows, const int64_t* table, int64_t t0,
+                int64_t seq_end, int64_t block_size, int64_t head, int64_t group, int64_t head_dim, float scale,
                 T* out, std::vector<float>& scores, std::vector<float>& qf, std::vector<float>& acc, std::vector<float>& row) {
+  const int64_t seq_len = seq_end - t0;  // tokens attended: positions t0 .. seq_end - 1
   scores.assign(group * seq_len, 0.f);
   qf.resize(group * head_dim);
   acc.assign(group * head_dim, 0.f);
@@ -112,7 +120,7 @@ void decode_one(const T* q, const Rows& k_rows, const Rows& v_rows, const int64_
     for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = to_float(q[g * head_dim + d]) * scale;
 
   for (int64_t t = 0; t < seq_len; ++t) {
-    const int64_t slot = table[t / block_size] * block_size + t % block_size;
+    const int64_t slot = table[(t0 + t) / block_size] * block_size + (t0 + t) % block_size;
     k_rows.load(slot, head, row.data());
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = qf.data() + g * head_dim;
@@ -123,7 +131,7 @@ void decode_one(const T* q, const Rows& k_rows, const Rows& v_rows, const int64_
   }
   softmax_rows(scores.data(), group, seq_len);
   for (int64_t t = 0; t < seq_len; ++t) {
-    const int64_t slot = table[t / block_size] * block_size + t % block_size;
+    const int64_t slot = table[(t0 + t) / block_size] * block_size + (t0 + t) % block_size;
     v_rows.load(slot, head, row.data());
     for (int64_t g = 0; g < group; ++g) {
       const float p = scores[g * seq_len + t];
@@ -210,8 +218,9 @@ struct Scratch {
 // (slot * num_kv_heads + head) * stride, stride = D (dense) or D + 2 (quantized: values, fp16 scale).
 template <Kind K, int kD, typename Elem, typename T>
 void decode_vec(const T* q, const Elem* k_base, const Elem* v_base, int64_t num_kv_heads, const int64_t* table,
-                int64_t seq_len, int64_t block_size, int64_t h0, int64_t nh, int64_t group, int64_t head_dim,
-                float scale, T* out, Scratch& s) {
+                int64_t t0, int64_t seq_end, int64_t block_size, int64_t h0, int64_t nh, int64_t group,
+                int64_t head_dim, float scale, T* out, Scratch& s) {
+  const int64_t seq_len = seq_end - t0;  // tokens attended: positions t0 .. seq_end - 1
   constexpr bool quantized = K != Kind::kDense;
   const int64_t D = kD ? kD : head_dim, stride = quantized ? D + 2 : D;  // kD: head_dim known at compile time
   const int64_t heads = nh * group;
@@ -253,7 +262,7 @@ void decode_vec(const T* q, const Elem* k_base, const Elem* v_base, int64_t num_
 
   // Element offset of every token's row of head h0, walking the block table (no division per token).
   if (static_cast<int64_t>(s.rows.size()) < seq_len) s.rows.resize(seq_len);
-  for (int64_t t = 0, blk = 0, off = 0; t < seq_len; ++t) {
+  for (int64_t t = 0, blk = t0 / block_size, off = t0 % block_size; t < seq_len; ++t) {
     s.rows[t] = ((table[blk] * block_size + off) * num_kv_heads + h0) * stride;
     if (++off == block_size) { off = 0; ++blk; }
   }
@@ -488,8 +497,9 @@ inline void weigh8(const T* v_base, const int64_t* rows, int n, const float* p, 
 
 template <int kD, typename T>
 void decode_avx2(const T* q, const T* k_base, const T* v_base, int64_t num_kv_heads, const int64_t* table,
-                 int64_t seq_len, int64_t block_size, int64_t head, int64_t group, int64_t head_dim, float scale,
-                 T* out, Scratch8& s) {
+                 int64_t t0, int64_t seq_end, int64_t block_size, int64_t head, int64_t group, int64_t head_dim,
+                 float scale, T* out, Scratch8& s) {
+  const int64_t seq_len = seq_end - t0;  // tokens attended: positions t0 .. seq_end - 1
   const int64_t D = kD ? kD : head_dim;
   for (int64_t i = 0; i < group * D; ++i) s.q[i] = to_float(q[i]) * scale;
   std::fill(s.acc.begin(), s.acc.begin() + group * D, 0.f);
@@ -500,7 +510,7 @@ void decode_avx2(const T* q, const T* k_base, const T* v_base, int64_t num_kv_he
   // found one chunk ahead and prefetched while the chunk before them is computed, a token's rows
   // at a time (dots8): the blocks are scattered over the pool, beyond the hardware prefetchers'
   // reach. They are spread over the chunk: issued in one burst per chunk, they stall the kernel.
-  int64_t blk = 0, off = 0;
+  int64_t blk = t0 / block_size, off = t0 % block_size;
   int64_t rows[kTok], next[kTok];
   auto walk = [&](int64_t start, int64_t* out) {
     const int n = static_cast<int>(std::min<int64_t>(kTok, seq_len - start));
@@ -754,7 +764,7 @@ void merge_partials(const float* m, const float* l, const float* acc, int64_t pa
 // sequence's tokens are also cut into ranges of at least kMinSplit tokens so that every thread has
 // work (otherwise a single stream's attention runs on one thread while the others wait).
 void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
-              const at::Tensor& lens, double scale, at::Tensor& out) {
+              const at::Tensor& lens, double scale, int64_t window, at::Tensor& out) {
   constexpr int64_t kMinSplit = 64;
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(2), block_size = k_cache.size(1), group = num_heads / num_kv_heads;
@@ -764,13 +774,14 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
   const int64_t want = batch >= 2 * threads ? 1 : std::min(kMaxParts, (2 * threads + batch - 1) / batch);  // parts per sequence
   std::vector<int64_t> first_task(batch + 1, 0), task_seq, task_t0, task_t1;
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t parts = std::max<int64_t>(1, std::min(want, sl[b] / kMinSplit));
-    // Ranges are whole chunks of 16 tokens (the last one ends at the sequence's end).
-    const int64_t chunks = (sl[b] + kChunk - 1) / kChunk;
+    const int64_t first = window_start(sl[b], window), len = sl[b] - first;
+    const int64_t parts = std::max<int64_t>(1, std::min(want, len / kMinSplit));
+    // Ranges are whole chunks of 16 tokens from the first attended one (the last ends at the sequence's end).
+    const int64_t chunks = (len + kChunk - 1) / kChunk;
     for (int64_t p = 0; p < parts; ++p) {
       task_seq.push_back(b);
-      task_t0.push_back(std::min(sl[b], chunks * p / parts * kChunk));
-      task_t1.push_back(std::min(sl[b], chunks * (p + 1) / parts * kChunk));
+      task_t0.push_back(first + std::min(len, chunks * p / parts * kChunk));
+      task_t1.push_back(first + std::min(len, chunks * (p + 1) / parts * kChunk));
     }
     first_task[b + 1] = static_cast<int64_t>(task_seq.size());
   }
@@ -812,7 +823,7 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
 
 template <typename T, typename Rows>
 void run(const at::Tensor& q, const Rows& k_rows, const Rows& v_rows, int64_t block_size, int64_t num_kv_heads,
-         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window, at::Tensor& out) {
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t group = num_heads / num_kv_heads, width = block_tables.size(1);
   const T* qp = q.data_ptr<T>();
@@ -831,7 +842,7 @@ void run(const at::Tensor& q, const Rows& k_rows, const Rows& v_rows, int64_t bl
   // A second thread costs a wake-up (tens of microseconds) that a short batch never earns back:
   // split only when there are at least ~64K cached values per thread to read.
   int64_t total = 0;
-  for (int64_t b = 0; b < batch; ++b) total += sl[b];
+  for (int64_t b = 0; b < batch; ++b) total += sl[b] - window_start(sl[b], window);
   const int64_t grain = total * num_kv_heads * head_dim < (int64_t{1} << 17) ? tasks : 1;
   parallel_for_dynamic(0, tasks, grain, [&](int64_t begin, int64_t end) {
 #if defined(__AVX512F__)
@@ -842,8 +853,8 @@ void run(const at::Tensor& q, const Rows& k_rows, const Rows& v_rows, int64_t bl
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i / tasks_per_seq, h0 = i % tasks_per_seq * per_task;
         const int64_t offset = (b * num_heads + h0 * group) * head_dim;
-        f(qp + offset, k_rows.base, v_rows.base, num_kv_heads, bt + b * width, sl[b], block_size, h0, per_task, group,
-          head_dim, static_cast<float>(scale), op + offset, s);
+        f(qp + offset, k_rows.base, v_rows.base, num_kv_heads, bt + b * width, window_start(sl[b], window), sl[b],
+          block_size, h0, per_task, group, head_dim, static_cast<float>(scale), op + offset, s);
       }
       return;
     }
@@ -858,8 +869,8 @@ void run(const at::Tensor& q, const Rows& k_rows, const Rows& v_rows, int64_t bl
         const int64_t b = i / tasks_per_seq;
         for (int64_t h = i % tasks_per_seq * per_task; h < (i % tasks_per_seq + 1) * per_task; ++h) {
           const int64_t offset = (b * num_heads + h * group) * head_dim;
-          f(qp + offset, kb, vb, num_kv_heads, bt + b * width, sl[b], block_size, h, group, head_dim,
-            static_cast<float>(scale), op + offset, s);
+          f(qp + offset, kb, vb, num_kv_heads, bt + b * width, window_start(sl[b], window), sl[b], block_size, h,
+            group, head_dim, static_cast<float>(scale), op + offset, s);
         }
       }
       return;
@@ -870,8 +881,9 @@ void run(const at::Tensor& q, const Rows& k_rows, const Rows& v_rows, int64_t bl
       const int64_t b = i / tasks_per_seq;
       for (int64_t h = i % tasks_per_seq * per_task; h < (i % tasks_per_seq + 1) * per_task; ++h) {
         const int64_t offset = (b * num_heads + h * group) * head_dim;
-        decode_one<T, Rows>(qp + offset, k_rows, v_rows, bt + b * width, sl[b], block_size, h, group, head_dim,
-                            static_cast<float>(scale), op + offset, scores, qf, acc, row);
+        decode_one<T, Rows>(qp + offset, k_rows, v_rows, bt + b * width, window_start(sl[b], window), sl[b],
+                            block_size, h, group, head_dim, static_cast<float>(scale), op + offset, scores, qf,
+                            acc, row);
       }
     }
   });
@@ -879,12 +891,12 @@ void run(const at::Tensor& q, const Rows& k_rows, const Rows& v_rows, int64_t bl
 
 template <typename T>
 void run_kind(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
-              const at::Tensor& lens, double scale, int64_t kind, at::Tensor& out) {
+              const at::Tensor& lens, double scale, int64_t kind, int64_t window, at::Tensor& out) {
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2), head_dim = q.size(2);
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (kind == 0 && k_cache.scalar_type() == at::kBFloat16 && (head_dim == 64 || head_dim == 128)) {
-      run_bf16(q, k_cache, v_cache, tables, lens, scale, out);
+      run_bf16(q, k_cache, v_cache, tables, lens, scale, window, out);
       return;
     }
   }
@@ -892,16 +904,16 @@ void run_kind(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
   if (kind == 0) {
     TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), "cache and query dtypes differ");
     run<T>(q, DenseRows<T>{k_cache.data_ptr<T>(), num_kv_heads, head_dim},
-           DenseRows<T>{v_cache.data_ptr<T>(), num_kv_heads, head_dim}, block_size, num_kv_heads, tables, lens, scale, out);
+           DenseRows<T>{v_cache.data_ptr<T>(), num_kv_heads, head_dim}, block_size, num_kv_heads, tables, lens, scale, window, out);
     return;
   }
   TORCH_CHECK(k_cache.scalar_type() == at::kByte && k_cache.size(3) == head_dim + 2, "quantized cache rows must be uint8 [head_dim + 2]");
   const uint8_t* kp = k_cache.data_ptr<uint8_t>();
   const uint8_t* vp = v_cache.data_ptr<uint8_t>();
   if (kind == 1) run<T>(q, Int8Rows{kp, num_kv_heads, head_dim}, Int8Rows{vp, num_kv_heads, head_dim}, block_size,
-                        num_kv_heads, tables, lens, scale, out);
+                        num_kv_heads, tables, lens, scale, window, out);
   else if (kind == 2) run<T>(q, Fp8Rows{kp, num_kv_heads, head_dim, fp8_table()}, Fp8Rows{vp, num_kv_heads, head_dim, fp8_table()},
-                             block_size, num_kv_heads, tables, lens, scale, out);
+                             block_size, num_kv_heads, tables, lens, scale, window, out);
   else TORCH_CHECK(false, "unknown cache kind ", kind);
 }
 
@@ -909,18 +921,19 @@ void run_kind(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
 
 // q: [B, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (kind 0) or uint8
 // [num_blocks, block_size, Hkv, D + 2] (kind 1 int8, 2 fp8); block_tables: [B, W] int64;
-// seq_lens: [B] int64. Returns [B, Hq, D].
+// seq_lens: [B] int64; window: attend to each sequence's last `window` tokens (0: all). Returns [B, Hq, D].
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                                  int64_t kind) {
+                                  int64_t kind, int64_t window) {
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of kv heads");
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   auto out = at::empty_like(q);
-  if (q.scalar_type() == at::kFloat) run_kind<float>(q, k_cache, v_cache, tables, lens, scale, kind, out);
-  else if (q.scalar_type() == at::kBFloat16) run_kind<c10::BFloat16>(q, k_cache, v_cache, tables, lens, scale, kind, out);
-  else if (q.scalar_type() == at::kHalf) run_kind<c10::Half>(q, k_cache, v_cache, tables, lens, scale, kind, out);
+  if (q.scalar_type() == at::kFloat) run_kind<float>(q, k_cache, v_cache, tables, lens, scale, kind, window, out);
+  else if (q.scalar_type() == at::kBFloat16) run_kind<c10::BFloat16>(q, k_cache, v_cache, tables, lens, scale, kind, window, out);
+  else if (q.scalar_type() == at::kHalf) run_kind<c10::Half>(q, k_cache, v_cache, tables, lens, scale, kind, window, out);
   else TORCH_CHECK(false, "unsupported dtype");
   return out;
 }

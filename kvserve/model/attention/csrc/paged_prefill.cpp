@@ -13,6 +13,8 @@
 //      bf16) and O = P V on tiles; O / row sum stored as bf16.
 // Two passes over a row's scores instead of an online softmax: a row of the longest chunk (2048
 // keys) is 8 KB, and the O tiles never need rescaling.
+// With a sliding window (window > 0) query position p sees keys (p - window, p]: a task packs only
+// the keys from its first query's window start, and each row's softmax starts at its own.
 #include "kernels.h"
 #include "simd.h"
 
@@ -110,18 +112,24 @@ void pack_kv(const CacheRows& k, const CacheRows& v, const std::vector<int64_t>&
     }
 }
 
-// Row r of the score tile sees keys [0, visible): weights 2^(s * scale2 - max) as bf16 into p (zero
-// past `visible` up to `width`); returns their float32 sum.
-float softmax_row(const float* s, int64_t visible, int64_t width, float scale2, uint16_t* p) {
+// Lanes of keys t .. t + 15 that lie in [lo, hi).
+inline __mmask16 key_range(int64_t t, int64_t lo, int64_t hi) {
+  const int64_t a = std::max<int64_t>(lo - t, 0), b = std::min<int64_t>(hi - t, 16);
+  return b <= a ? 0 : static_cast<__mmask16>(((1u << b) - 1) & ~((1u << a) - 1));
+}
+
+// Row r of the score tile sees keys [lo, visible): weights 2^(s * scale2 - max) as bf16 into p (zero
+// outside them up to `width`); returns their float32 sum.
+float softmax_row(const float* s, int64_t lo, int64_t visible, int64_t width, float scale2, uint16_t* p) {
   __m512 mx = _mm512_set1_ps(-INFINITY);
-  int64_t t = 0;
+  int64_t t = lo;
   for (; t + 16 <= visible; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
   const __mmask16 tail = static_cast<__mmask16>((1u << (visible - t)) - 1);
   if (tail) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail, s + t));
   const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * scale2), k = _mm512_set1_ps(scale2);
   __m512 sum = _mm512_setzero_ps();
   for (t = 0; t < width; t += 16) {
-    const __mmask16 live = t + 16 <= visible ? 0xFFFF : t < visible ? static_cast<__mmask16>((1u << (visible - t)) - 1) : 0;
+    const __mmask16 live = key_range(t, lo, visible);
     const __m512 e = _mm512_maskz_mov_ps(live, simd::exp2_ps(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(live, s + t), k, m)));
     sum = _mm512_add_ps(sum, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
@@ -181,13 +189,18 @@ void weighted_values_vec(Scratch& sc, int64_t n, int64_t width, int64_t vchunks,
 
 void run_task(const Task& task, const uint16_t* q, int64_t q_row, const CacheRows& k, const CacheRows& v,
               uint16_t* out, const int64_t* table, int64_t seq_len, int64_t q_first, int64_t num_queries,
-              int64_t num_heads, int64_t num_kv_heads, int64_t D, int64_t block_size, float scale, bool amx,
-              Scratch& sc, std::vector<int64_t>& rows) {
+              int64_t num_heads, int64_t num_kv_heads, int64_t D, int64_t block_size, float scale, int64_t window,
+              bool amx, Scratch& sc, std::vector<int64_t>& rows) {
   const int64_t group = num_heads / num_kv_heads, context = seq_len - num_queries;
-  const int64_t key_end = context + task.last;  // the task's last query sees up to here
+  // Keys are packed from position key_begin (the task's first query's window start) to key_end (what its
+  // last query sees); below, key indices count from key_begin.
+  const int64_t key_begin = window > 0 ? std::max<int64_t>(0, context + task.first - window + 1) : 0;
+  const int64_t key_end = context + task.last - key_begin;
   rows.resize(key_end);
-  for (int64_t t = 0; t < key_end; ++t)
-    rows[t] = ((table[t / block_size] * block_size + t % block_size) * num_kv_heads + task.kv_head) * k.row_elems();
+  for (int64_t t = 0; t < key_end; ++t) {
+    const int64_t pos = key_begin + t;
+    rows[t] = ((table[pos / block_size] * block_size + pos % block_size) * num_kv_heads + task.kv_head) * k.row_elems();
+  }
   pack_kv(k, v, rows, key_end, D, sc);
   const int64_t width_max = (key_end + 31) / 32 * 32, kchunks = D / 32, vchunks = D / 16;
   sc.s.resize(16 * width_max);
@@ -202,7 +215,7 @@ void run_task(const Task& task, const uint16_t* q, int64_t q_row, const CacheRow
         if (r < n) std::memcpy(dst, q + (q_first + j0 + r) * q_row + h * D, D * 2);
         else std::memset(dst, 0, D * 2);
       }
-      const int64_t keys = context + j0 + n, width = (keys + 31) / 32 * 32;
+      const int64_t keys = context + j0 + n - key_begin, width = (keys + 31) / 32 * 32;
       if (amx) {
 #if defined(KVSERVE_AMX)
         for (int64_t b = 0; b < (keys + 15) / 16; ++b) {
@@ -220,7 +233,9 @@ void run_task(const Task& task, const uint16_t* q, int64_t q_row, const CacheRow
       }
       for (int64_t r = 0; r < 16; ++r) {
         uint16_t* pr = sc.p.data() + r * width;
-        if (r < n) sc.row_sum[r] = softmax_row(sc.s.data() + r * width, context + j0 + r + 1, width, scale2, pr);
+        const int64_t visible = context + j0 + r + 1 - key_begin;  // relative to key_begin, like `keys`
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, visible - window) : 0;
+        if (r < n) sc.row_sum[r] = softmax_row(sc.s.data() + r * width, lo, visible, width, scale2, pr);
         else std::memset(pr, 0, width * 2);
       }
       for (int64_t d0 = 0; d0 < vchunks; d0 += 4) {  // 64 output dims (4 C tiles) at a time
@@ -273,10 +288,11 @@ bool paged_prefill_supported(int64_t head_dim) {
 void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& block_tables, const std::vector<int64_t>& seq_lens,
                              const std::vector<int64_t>& query_start, const std::vector<int64_t>& seqs, double scale,
-                             int64_t kv_kind, at::Tensor& out) {
+                             int64_t kv_kind, int64_t window, at::Tensor& out) {
   const int64_t num_heads = q.size(1), D = q.size(2), num_kv_heads = k_cache.size(2), block_size = k_cache.size(1);
   TORCH_CHECK(paged_prefill_supported(D), "paged_prefill_attention needs AVX512-BF16 and head_dim 64 or 128");
   TORCH_CHECK(kv_kind >= 0 && kv_kind <= 2, "unknown KV cache kind ", kv_kind);
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "queries must be bf16");
   TORCH_CHECK(k_cache.scalar_type() == (kv_kind == 0 ? at::kBFloat16 : at::kByte) && v_cache.scalar_type() == k_cache.scalar_type(),
               "cache dtype does not match its kind (bf16, or uint8 rows for int8 / fp8)");
@@ -333,14 +349,14 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
     for (int64_t i = begin; i < end; ++i) {
       const Task& t = tasks[i];
       run_task(t, qp, q.stride(0), kp, vp, op, bt + t.seq * tables.size(1), sl[t.seq], qs[t.seq],
-               qs[t.seq + 1] - qs[t.seq], num_heads, num_kv_heads, D, block_size, static_cast<float>(scale), amx, sc,
-               rows);
+               qs[t.seq + 1] - qs[t.seq], num_heads, num_kv_heads, D, block_size, static_cast<float>(scale), window,
+               amx, sc, rows);
     }
 #if defined(KVSERVE_AMX)
     if (amx) _tile_release();
 #endif
   });
 #else
-  (void)block_tables, (void)seq_lens, (void)query_start, (void)seqs, (void)scale, (void)kv_kind;
+  (void)block_tables, (void)seq_lens, (void)query_start, (void)seqs, (void)scale, (void)kv_kind, (void)window;
 #endif
 }

@@ -27,11 +27,12 @@ at::Tensor LinearSpec::apply_silu_mul(const at::Tensor& x) const {
 
 LlamaDecoder::LlamaDecoder(std::vector<LayerSpec> layers, at::Tensor final_norm, at::Tensor cos, at::Tensor sin,
                            std::vector<at::Tensor> kv_caches, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, double eps, double scale, int64_t kv_kind)
+                           int64_t head_dim, double eps, double scale, int64_t kv_kind, std::vector<int64_t> windows)
     : layers_(std::move(layers)), final_norm_(std::move(final_norm)), cos_(std::move(cos)), sin_(std::move(sin)),
       kv_caches_(std::move(kv_caches)), num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
-      eps_(eps), scale_(scale), kv_kind_(kv_kind) {
-  TORCH_CHECK(layers_.size() == kv_caches_.size(), "one KV cache per layer");
+      eps_(eps), scale_(scale), kv_kind_(kv_kind), windows_(std::move(windows)) {
+  TORCH_CHECK(layers_.size() == kv_caches_.size() && layers_.size() == windows_.size(),
+              "one KV cache and one window per layer");
   TORCH_CHECK(kv_kind_ >= 0 && kv_kind_ <= 2, "unknown KV cache kind ", kv_kind_);
   for (const at::Tensor& cache : kv_caches_) {
     TORCH_CHECK(cache.is_contiguous() && cache.dim() == 5 && cache.size(0) == 2 && cache.size(3) == num_kv_heads_ &&
@@ -72,7 +73,7 @@ at::Tensor LlamaDecoder::forward(const at::Tensor& x, const at::Tensor& position
     rotary_(q, k, positions, cos_, sin_);
     write_kv_cache(k, v, kv_caches_[i], slot_mapping, kv_kind_);
     const at::Tensor attn = paged_decode_attention(q.contiguous(), halves_[i].first, halves_[i].second, block_tables,
-                                                   seq_lens, scale_, kv_kind_);
+                                                   seq_lens, scale_, kv_kind_, windows_[i]);
     normed = rms_norm(layer.o.apply(attn.view({tokens, q_width})), residual, layer.post_norm, eps_);
     h = layer.down.apply(layer.gate_up.apply_silu_mul(normed));
   }
