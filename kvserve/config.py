@@ -95,6 +95,10 @@ class ModelConfig:
     sliding_window: int | None = None
     # Per layer: the sliding window it attends over, or None for full attention (see layer_windows).
     layer_windows: tuple[int | None, ...] = ()
+    hidden_act: str = "silu"  # the gated MLP's activation (Gemma: gelu_pytorch_tanh)
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scale = this ** -0.5 instead of head_dim's
+    attn_logit_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
 
     def window_of(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
@@ -135,7 +139,15 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             sliding_window=cfg.get("sliding_window") if use_sw else None,
             layer_windows=layer_windows(cfg, int(cfg["num_hidden_layers"])),
+            hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"),
+            query_pre_attn_scalar=_optional_float(cfg.get("query_pre_attn_scalar")),
+            attn_logit_softcap=_optional_float(cfg.get("attn_logit_softcapping")),
+            final_logit_softcap=_optional_float(cfg.get("final_logit_softcapping")),
         )
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def layer_windows(cfg: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                "MistralForCausalLM": "mistral"}
+                "MistralForCausalLM": "mistral", "Gemma2ForCausalLM": "gemma2"}
 
 # Tiny defaults: 2 layers, GQA 4/2, head_dim 16; overridden per call.
 TINY_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -55,6 +55,10 @@ def write_random_model(path: Path, arch: str = "LlamaForCausalLM", seed: int = 0
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
+    if model_type.startswith("gemma"):  # Gemma norms start at w = 0 (a gain of 1 + w): make them matter
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                torch.nn.init.normal_(param, std=0.3)
     model.save_pretrained(path)
     word_tokenizer(config.vocab_size).save_pretrained(path)
     return Path(path)

@@ -24,7 +24,6 @@ from kvserve.kv_cache.block_pool import BlockPool
 from kvserve.kv_cache.hashing import BlockKey, chain_keys
 from kvserve.request import Request
 
-
 RELEASED = -1  # a table entry whose block went back to the pool (outside the sliding window)
 
 

@@ -49,7 +49,9 @@ class ModelRunner:
         # Pure decode steps in one C++ call where the model and backend allow (bitwise the same result).
         self.fused_decoder = build_fused_decoder(model, self.kv_caches, backend.fused_cache_kind(device))
         self.decode_graphs = None
-        if cuda_graphs is not None and device.type == "cuda" and backend.supports_cuda_graphs:
+        # (soft-capped attention takes a path with host values: nothing to capture)
+        if (cuda_graphs is not None and device.type == "cuda" and backend.supports_cuda_graphs
+                and config.attn_logit_softcap is None):
             self.decode_graphs = capture_decode_graphs(self._eager_forward, *cuda_graphs, block_size, device)
 
     @torch.inference_mode()

@@ -92,13 +92,14 @@ def test_mla_caches_one_latent_far_smaller_than_mha_and_gqa():
 
 def test_sliding_window_layers_are_capped_at_the_window():
     s = setup("Mistral-7B-v0.1", dtype="float16")
-    assert kv_bytes_per_user(s, 16384) == kv_bytes_per_user(s, 4096)
+    # the window plus the block a window start inside a block spills into (kv_cache.sizing.max_window_blocks)
+    assert kv_bytes_per_user(s, 16384) == kv_bytes_per_user(s, 4096 + 16)
     assert kv_bytes_per_user(replace(s, cap_sliding_window=False), 16384) == 4 * kv_bytes_per_user(s, 4096)
     mixed = Setup(ModelShape.from_hf({**MODEL_TABLE["SmolLM2-135M"], "num_hidden_layers": 4, "sliding_window": 1024,
                                       "layer_types": ["sliding_attention", "full_attention"] * 2}), H100)
     per_layer = kv_bytes_per_token(1, 3, 64, 2)
     assert mixed.model.num_sliding_layers == 2
-    assert kv_bytes_per_user(mixed, 8192) == 2 * per_layer * 8192 + 2 * per_layer * 1024
+    assert kv_bytes_per_user(mixed, 8192) == 2 * per_layer * 8192 + 2 * per_layer * (1024 + 16)
 
 
 def test_qwen2_sliding_rules_follow_use_sliding_window_and_max_window_layers():

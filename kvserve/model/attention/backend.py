@@ -60,11 +60,12 @@ class AttentionBackend(Protocol):
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-        window: int | None = None,
+        window: int | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
         """Writes k, v into the cache and returns causal attention of q over each sequence's cached
         tokens; with ``window``, query position p sees only positions (p - window, p] (a sliding
-        window, as transformers applies it), so KV before a sequence's window is never read."""
+        window, as transformers applies it), so KV before a sequence's window is never read. With
+        ``softcap`` (Gemma 2) the scaled scores s become softcap * tanh(s / softcap) before the softmax."""
 
     def fused_cache_kind(self, device: torch.device) -> int | None:
         """The paged-cache kind a fused C++ decode step may read and write directly, or None."""

@@ -11,7 +11,8 @@ prefill kernel, all in one call (it dequantizes int8 / fp8 rows as it packs them
 run one sequence at a time through SDPA, reading the cached prefix only when there is one
 (dequantizing the gathered blocks for a quantized cache).
 A sliding window is a start position per sequence for the C++ kernels; on the SDPA paths it reads
-only the blocks from the window's start and masks the positions before it.
+only the blocks from the window's start and masks the positions before it. Soft-capped scores
+(Gemma 2) take a plain PyTorch path, one sequence at a time (neither SDPA nor the kernels cap).
 """
 
 from __future__ import annotations
@@ -58,11 +59,13 @@ class TorchAttentionBackend:
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-        window: int | None = None,
+        window: int | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]. Writes k, v into the cache, returns [T, Hq, D]; with
-        ``window``, position p attends to positions (p - window, p] only."""
+        ``window``, position p attends to positions (p - window, p] only; ``softcap``: see backend.py."""
         self._write(k, v, kv_cache, meta)
+        if softcap is not None:
+            return self._softcapped(q, kv_cache, meta, scale, window, softcap)
         if not meta.prefill_seqs:  # a pure decode step (the common one): every row is a sequence's query
             return self._decode(q, kv_cache, meta, scale, window)
         out = torch.empty_like(q)
@@ -162,6 +165,30 @@ class TorchAttentionBackend:
         out = F.scaled_dot_product_attention(q_t, keys, values, attn_mask=_causal_mask(q_pos, key_pos, window),
                                              scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
+
+
+    def _softcapped(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    window: int | None, softcap: float) -> torch.Tensor:
+        """Every sequence's rows as transformers' eager attention computes them: scores scaled, capped,
+        masked, a float32 softmax cast back to the query dtype, times the values."""
+        out = torch.empty_like(q)
+        bs = meta.block_size
+        for i in range(meta.num_seqs):
+            start, end, seq_len = meta.query_start[i], meta.query_start[i + 1], meta.seq_lens[i]
+            num_new = end - start
+            first = 0 if window is None else max(0, seq_len - num_new - window + 1) // bs
+            table = meta.block_tables[i, first:-(-seq_len // bs)]
+            key_pos = torch.arange(first * bs, seq_len, device=q.device)
+            keys = self._gather(kv_cache[0], table, q.dtype).flatten(0, 1)[:len(key_pos)].transpose(0, 1)
+            values = self._gather(kv_cache[1], table, q.dtype).flatten(0, 1)[:len(key_pos)].transpose(0, 1)
+            group = q.shape[1] // keys.shape[0]
+            keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)  # [Hq, L, D]
+            scores = torch.matmul(q[start:end].transpose(0, 1), keys.transpose(1, 2)) * scale  # [Hq, n, L]
+            scores = torch.tanh(scores / softcap) * softcap
+            mask = _causal_mask(torch.arange(seq_len - num_new, seq_len, device=q.device), key_pos, window)
+            probs = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
+            out[start:end] = torch.matmul(probs, values).transpose(0, 1)
+        return out
 
 
 def _causal_mask(q_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:

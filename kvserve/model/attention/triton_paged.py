@@ -171,7 +171,8 @@ class TritonAttentionBackend:
     """Paged attention in Triton for a model-dtype cache; the reference semantics of TorchAttentionBackend."""
 
     name = "triton"
-    supports_cuda_graphs = True  # a decode step's launches read only device buffers
+    supports_cuda_graphs = True  # a decode step's launches read only device buffers (not soft-capped models':
+    # their attention takes the reference path, see forward; the runner captures no graphs for them)
 
     def __init__(self) -> None:
         self._reference = TorchAttentionBackend(use_kernels=False)
@@ -184,8 +185,11 @@ class TritonAttentionBackend:
         return None  # the fused decode step is the CPU's
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]. Writes k, v into the cache, returns [T, Hq, D]."""
+        if softcap is not None:  # soft-capped scores (Gemma 2): the reference path, which reads the host lists
+            return self._reference.forward(q, k, v, kv_cache, meta, scale, window=window, softcap=softcap)
         store_kv(k, v, kv_cache, meta.slot_mapping)
         return paged_attention(q, kv_cache, meta.block_tables, meta.seq_lens_t, meta.query_start_device(),
                                meta.max_query_len, scale, window=window)

@@ -1,0 +1,60 @@
+"""Gemma 2 (alternating local/global layers, soft-capped attention and logits, (1 + w) norms before
+and after attention and the MLP, GeGLU, scaled embeddings) matches transformers token for token."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from tests.conftest import TINY_VOCAB, assert_no_leak, make_tiny_model
+from tests.models.reference import check_greedy_matches, load_hf
+
+WINDOW = 16
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma2(tmp_path_factory):
+    # query_pre_attn_scalar != head_dim and small caps, so that the scale and both caps change tokens
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-gemma2"), "Gemma2ForCausalLM", num_hidden_layers=4,
+                           sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                           final_logit_softcapping=3.0, tie_word_embeddings=True)
+
+
+def _prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gemma2_matches_transformers(tiny_gemma2, backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    llm = LLM(model=str(tiny_gemma2), attention_backend=backend, num_kv_blocks=256, block_size=4,
+              max_num_batched_tokens=24)
+    cfg = llm.engine.core.model_config
+    assert cfg.layer_windows == (WINDOW, None, WINDOW, None)
+    assert llm.engine.core.kv_cache.window is None  # hybrid: full KV kept for every layer
+    hf = load_hf(tiny_gemma2)
+    prompts = _prompts(5, 5, 50, seed=1)
+    prompts.append(prompts[4][:32] + [5, 6, 7])  # a prefix-cache hit
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    compared = 0
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        assert len(out.token_ids) == 20
+        compared += check_greedy_matches(hf, prompt, out.token_ids)
+    assert compared >= len(prompts) * 20 // 2
+    assert llm.engine.core.kv_cache.prefix_stats.hits > 0
+    assert_no_leak(llm)
+
+
+def test_gemma2_final_logits_are_capped(tiny_gemma2):
+    import torch
+
+    llm = LLM(model=str(tiny_gemma2), num_kv_blocks=64, block_size=4)
+    model = llm.engine.core.runner.model
+    hidden = torch.randn(64, model.config.hidden_size) * 4
+    raw = model.model.embed_tokens.project(hidden)
+    assert raw.abs().max() > 3.0  # the cap has something to do
+    torch.testing.assert_close(model.compute_logits(hidden), torch.tanh(raw / 3.0) * 3.0)
