@@ -56,8 +56,11 @@ class RopeConfig:
     original_max_position: int = 8192
 
     @staticmethod
-    def from_hf(cfg: dict[str, Any]) -> RopeConfig:
+    def from_hf(cfg: dict[str, Any], layer_type: str = "full_attention") -> RopeConfig:
+        """``layer_type``: which entry of per-layer-type ``rope_parameters`` (Gemma 3) to read."""
         params = dict(cfg.get("rope_parameters") or {})
+        if layer_type in params or "full_attention" in params:
+            params = dict(params.get(layer_type) or {})
         scaling = cfg.get("rope_scaling") or {}
         params = {**scaling, **params}
         theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
@@ -99,6 +102,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # Gemma: attention scale = this ** -0.5 instead of head_dim's
     attn_logit_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
     final_logit_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
+    local_rope: RopeConfig | None = None  # Gemma 3: the sliding-window layers' own RoPE (another base)
 
     def window_of(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
@@ -134,7 +138,7 @@ class ModelConfig:
             rope=RopeConfig.from_hf(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch.startswith("Qwen2"))),
-            qk_norm=arch.startswith("Qwen3"),
+            qk_norm=arch.startswith(("Qwen3", "Gemma3")),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=cfg.get("sliding_window") if use_sw else None,
@@ -143,7 +147,18 @@ class ModelConfig:
             query_pre_attn_scalar=_optional_float(cfg.get("query_pre_attn_scalar")),
             attn_logit_softcap=_optional_float(cfg.get("attn_logit_softcapping")),
             final_logit_softcap=_optional_float(cfg.get("final_logit_softcapping")),
+            local_rope=_local_rope(cfg),
         )
+
+
+def _local_rope(cfg: dict[str, Any]) -> RopeConfig | None:
+    """Gemma 3's RoPE of its local layers: per layer type in ``rope_parameters`` (transformers 5) or
+    ``rope_local_base_freq`` (earlier configs, default scaling)."""
+    if "sliding_attention" in (cfg.get("rope_parameters") or {}):
+        return RopeConfig.from_hf(cfg, "sliding_attention")
+    if cfg.get("rope_local_base_freq") is not None:
+        return RopeConfig(theta=float(cfg["rope_local_base_freq"]))
+    return None
 
 
 def _optional_float(value: Any) -> float | None:

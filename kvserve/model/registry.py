@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 
 from kvserve.model.models.gemma2 import Gemma2ForCausalLM
+from kvserve.model.models.gemma3 import Gemma3ForCausalLM
 from kvserve.model.models.llama import LlamaForCausalLM
 
 _MODELS: dict[str, type[torch.nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,

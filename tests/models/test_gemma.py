@@ -1,5 +1,6 @@
 """Gemma 2 (alternating local/global layers, soft-capped attention and logits, (1 + w) norms before
-and after attention and the MLP, GeGLU, scaled embeddings) matches transformers token for token."""
+and after attention and the MLP, GeGLU, scaled embeddings) and Gemma 3 (5:1 local/global, q/k norms,
+a RoPE base per layer type) match transformers token for token."""
 
 from __future__ import annotations
 
@@ -58,3 +59,29 @@ def test_gemma2_final_logits_are_capped(tiny_gemma2):
     raw = model.model.embed_tokens.project(hidden)
     assert raw.abs().max() > 3.0  # the cap has something to do
     torch.testing.assert_close(model.compute_logits(hidden), torch.tanh(raw / 3.0) * 3.0)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory):
+    # six layers: five local, one global; distinct RoPE bases, the global one scaled linearly
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-gemma3"), "Gemma3ForCausalLM", num_hidden_layers=6,
+                           sliding_window=WINDOW, query_pre_attn_scalar=24, tie_word_embeddings=True,
+                           rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                               "rope_theta": 1000000.0},
+                                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+
+
+def test_gemma3_matches_transformers(tiny_gemma3):
+    llm = LLM(model=str(tiny_gemma3), num_kv_blocks=256, block_size=4, max_num_batched_tokens=24)
+    cfg = llm.engine.core.model_config
+    assert cfg.layer_windows == (WINDOW,) * 5 + (None,)
+    assert cfg.qk_norm and cfg.local_rope.theta == 10000.0 and cfg.rope.theta == 1000000.0
+    assert cfg.rope.rope_type == "linear"
+    hf = load_hf(tiny_gemma3)
+    prompts = _prompts(5, 5, 50, seed=2)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    compared = 0
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        compared += check_greedy_matches(hf, prompt, out.token_ids)
+    assert compared >= len(prompts) * 20 // 2
+    assert_no_leak(llm)
