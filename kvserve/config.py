@@ -103,6 +103,11 @@ class ModelConfig:
     attn_logit_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
     final_logit_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
     local_rope: RopeConfig | None = None  # Gemma 3: the sliding-window layers' own RoPE (another base)
+    # SmolLM3: per layer, whether it rotates q and k (0 in ``no_rope_layers``: a NoPE layer); () = all do
+    rope_layers: tuple[bool, ...] = ()
+
+    def uses_rope(self, layer: int) -> bool:
+        return self.rope_layers[layer] if self.rope_layers else True
 
     def window_of(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
@@ -148,6 +153,7 @@ class ModelConfig:
             attn_logit_softcap=_optional_float(cfg.get("attn_logit_softcapping")),
             final_logit_softcap=_optional_float(cfg.get("final_logit_softcapping")),
             local_rope=_local_rope(cfg),
+            rope_layers=tuple(bool(x) for x in cfg.get("no_rope_layers") or ()),
         )
 
 

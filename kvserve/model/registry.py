@@ -7,6 +7,7 @@ import torch
 from kvserve.model.models.gemma2 import Gemma2ForCausalLM
 from kvserve.model.models.gemma3 import Gemma3ForCausalLM
 from kvserve.model.models.llama import LlamaForCausalLM
+from kvserve.model.models.smollm3 import SmolLM3ForCausalLM
 
 _MODELS: dict[str, type[torch.nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
@@ -15,6 +16,7 @@ _MODELS: dict[str, type[torch.nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
 
 

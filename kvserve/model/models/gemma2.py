@@ -44,7 +44,8 @@ class GemmaAttention(Attention):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        rotary(positions, q, k)
+        if self.use_rope:
+            rotary(positions, q, k)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap)
         return self.o_proj(out.reshape(out.shape[0], -1))
 

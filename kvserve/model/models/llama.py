@@ -23,6 +23,7 @@ class Attention(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, layer: int = 0) -> None:
         super().__init__()
         self.window = cfg.window_of(layer)  # sliding window of this layer, None: full attention
+        self.use_rope = cfg.uses_rope(layer)  # False: a NoPE layer (SmolLM3)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, q + 2 * kv, cfg.attention_bias, dtype,
@@ -41,7 +42,8 @@ class Attention(torch.nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        rotary(positions, q, k)
+        if self.use_rope:
+            rotary(positions, q, k)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
