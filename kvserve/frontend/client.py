@@ -15,6 +15,7 @@ instead of a growing queue.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import queue
@@ -49,6 +50,8 @@ BURST_QUIET_S = 0.004
 BURST_GAP_S = 0.02
 BURST_MAX_WAIT_S = 0.1
 BURST_STEP_FRACTION = 0.05
+# While someone watches (the live dashboard), a snapshot carries the KV block map at most this often.
+BLOCK_MAP_PERIOD_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -208,6 +211,8 @@ class AsyncEngineClient:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._prefill_rate: float | None = None  # tokens/s, measured by the engine's warm-up
+        self.watchers = 0  # live dashboards connected; changed on the event loop, read by the engine thread
+        self._block_map_at = 0.0  # engine thread: when a snapshot last carried the block map
 
     # ---- lifecycle (event loop side) ---------------------------------------------------------
     def start(self) -> None:
@@ -427,7 +432,16 @@ class AsyncEngineClient:
         self._to_loop(self._deliver_error, None, EngineDeadError("the server is shutting down"))
 
     def _publish(self, engine: LLMEngine, outputs: list[RequestOutput] | None = None) -> None:
-        snapshot = engine.core.stats()
+        with_map = False
+        if self.watchers > 0:
+            now = time.perf_counter()
+            with_map = now - self._block_map_at >= BLOCK_MAP_PERIOD_S
+            if with_map:
+                self._block_map_at = now
+        snapshot = engine.core.stats(with_block_map=with_map)
+        if not with_map and self.watchers > 0 and self._published[0].block_map is not None:
+            # the map stays until the next one is due, so a reader between two always finds one
+            snapshot = dataclasses.replace(snapshot, block_map=self._published[0].block_map)
         self._published = (snapshot, self._admitted)
         if self.stats is not None:
             if outputs:
