@@ -72,11 +72,16 @@ class AbortRequest:
 
 
 @dataclass(frozen=True)
+class Refresh:
+    """Engine-thread command: publish a snapshot now (one with the block map, if someone watches)."""
+
+
+@dataclass(frozen=True)
 class Stop:
     """Engine-thread command: abort everything and end the thread."""
 
 
-Command = AddRequest | AbortRequest | Stop
+Command = AddRequest | AbortRequest | Refresh | Stop
 
 
 class IncomingRequests:
@@ -293,6 +298,15 @@ class AsyncEngineClient:
     def abort(self, request_id: str) -> None:
         self._commands.put(AbortRequest(request_id))
 
+    def watch(self) -> None:
+        """A live dashboard connects: snapshots carry the block map until ``unwatch``; an idle engine
+        publishes one at once."""
+        self.watchers += 1
+        self._commands.put(Refresh())
+
+    def unwatch(self) -> None:
+        self.watchers -= 1
+
     def _check_alive(self) -> None:
         if self.error is not None or self._stopping or (self._thread is not None and not self._thread.is_alive()):
             raise EngineDeadError(f"the engine is not running ({self.error or 'shut down'})")
@@ -400,7 +414,9 @@ class AsyncEngineClient:
                 if self.incoming.count <= 0 or time.perf_counter() >= deadline:
                     return None
 
-    def _apply(self, engine: LLMEngine, command: AddRequest | AbortRequest) -> bool:
+    def _apply(self, engine: LLMEngine, command: AddRequest | AbortRequest | Refresh) -> bool:
+        if isinstance(command, Refresh):
+            return True
         if isinstance(command, AbortRequest):
             if engine.has_request(command.request_id):
                 engine.abort_request(command.request_id)
@@ -434,8 +450,9 @@ class AsyncEngineClient:
     def _publish(self, engine: LLMEngine, outputs: list[RequestOutput] | None = None) -> None:
         with_map = False
         if self.watchers > 0:
+            # an idle engine publishes no more until new work comes: its last map must be current
             now = time.perf_counter()
-            with_map = now - self._block_map_at >= BLOCK_MAP_PERIOD_S
+            with_map = now - self._block_map_at >= BLOCK_MAP_PERIOD_S or not engine.has_unfinished()
             if with_map:
                 self._block_map_at = now
         snapshot = engine.core.stats(with_block_map=with_map)

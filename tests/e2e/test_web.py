@@ -148,6 +148,8 @@ def test_dashboard_numbers_move_under_load(server, browser):
     _wait(browser, lambda d: d.find_element(By.ID, "status").text == "live")
     _wait(browser, lambda d: d.find_element(By.ID, "v-gen").text not in ("–", ""))
     assert float(browser.find_element(By.ID, "v-gen").text) == 0.0  # idle
+    # an idle engine's map comes at once, all free or cached
+    _wait(browser, lambda d: " 0 in use by 0 requests" in d.find_element(By.ID, "blockinfo").text)
     stop = threading.Event()
     threads = _load(server, stop)
     try:

@@ -55,7 +55,7 @@ async def engine_events(request: Request, interval: float = Query(0.5, gt=0, le=
 
     async def events():
         client = web.client
-        client.watchers += 1
+        client.watch()
         try:
             sampler = Sampler(client, web.totals)
             info = client.info
@@ -70,7 +70,7 @@ async def engine_events(request: Request, interval: float = Query(0.5, gt=0, le=
                     yield f"event: info\ndata: {json.dumps(head)}\n\n"
                 yield f"data: {json.dumps(sampler.next())}\n\n"
         finally:
-            client.watchers -= 1
+            client.unwatch()
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
