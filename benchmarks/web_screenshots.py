@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         load = threading.Thread(target=bench_serve, args=(server, WORKLOADS["W2"], 49152, []), daemon=True)
         load.start()
         WebDriverWait(driver, 300, poll_frequency=0.2).until(
-            lambda d: int(d.find_element(By.ID, "v-running").text or 0) > 0)
+            lambda d: int(d.find_element(By.ID, "v-running").text or 0) >= 32)
         time.sleep(args.load_seconds)
         driver.save_screenshot(str(args.out / "dashboard.png"))
         load.join()

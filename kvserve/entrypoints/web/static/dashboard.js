@@ -12,7 +12,7 @@ const charts = {};
 function chart(id, labels, keys, colors) {
   const el = $(id);
   const opts = {width: el.clientWidth || 420, height: 170, legend: {live: false},
-                scales: {x: {time: true}}, axes: [{}, {size: 50}],
+                scales: {x: {time: true}}, axes: [{}, {size: 60}],
                 series: [{}].concat(labels.map((l, i) => ({label: l, stroke: colors[i], width: 1.5,
                                                            fill: colors[i] + "22", spanGaps: false})))};
   charts[id] = {plot: new uPlot(opts, [[]].concat(keys.map(() => [])), el), keys};
