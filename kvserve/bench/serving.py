@@ -20,10 +20,12 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 from tqdm.auto import tqdm
 
+from kvserve.bench.report import Run, write_report
 from kvserve.bench.workloads import BenchRequest, random_requests
 
 _WORDS = ("the of and to in is was for on that with as by at from his her an they which or had are this be not "
@@ -245,32 +247,59 @@ def sampling_fields(args) -> dict:
     return fields
 
 
+def _target(args, base_url: str, model: str | None) -> Target:
+    chat = args.endpoint == "chat"
+    return Target(url=base_url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions"),
+                  model=model, chat=chat, ignore_eos=args.ignore_eos,
+                  headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {},
+                  text_prompts=chat or args.prompt_format == "text", sampling=sampling_fields(args))
+
+
 def run(args) -> int:
+    """Each --base-url at each load point (--max-concurrency values x --request-rate values), in turn."""
     reqs = random_requests(args.num_requests, (args.prompt_min, args.prompt_max), (args.output_min, args.output_max),
                            args.vocab_size, seed=args.workload_seed)
-    chat = args.endpoint == "chat"
-    target = Target(url=args.base_url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions"),
-                    model=args.model, chat=chat, ignore_eos=args.ignore_eos,
-                    headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {},
-                    text_prompts=chat or args.prompt_format == "text", sampling=sampling_fields(args))
-    if args.warmup:
-        asyncio.run(run_load(reqs[:1], target, math.inf, 1, 0, args.timeout, False))
-    results, wall = asyncio.run(run_load(reqs, target, args.request_rate, args.max_concurrency, args.workload_seed,
-                                         args.timeout, not args.no_progress))
-    summary = summarize(results, wall)
-    config = {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()
-              if k not in ("func", "api_key", "command", "bench_command")}
+    models = args.model if len(args.model) == len(args.base_url) else args.model * len(args.base_url)
+    labels = args.label or [u.split("://", 1)[-1].rstrip("/") for u in args.base_url]
+    outputs, runs, failed = [], [], False
+    for base_url, model, label in zip(args.base_url, models, labels):
+        target = _target(args, base_url, model)
+        if args.warmup:
+            asyncio.run(run_load(reqs[:1], target, math.inf, 1, 0, args.timeout, False))
+        for concurrency in args.max_concurrency:
+            for rate in args.request_rate:
+                results, wall = asyncio.run(run_load(reqs, target, rate, concurrency, args.workload_seed,
+                                                     args.timeout, not args.no_progress))
+                summary = summarize(results, wall)
+                failed |= summary["failed"] > 0
+                point = {**vars(args), "base_url": base_url, "model": model, "max_concurrency": concurrency,
+                         "request_rate": rate}
+                config = {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in point.items()
+                          if k not in ("func", "api_key", "command", "bench_command", "report", "label")}
+                outputs.append({"config": config, **summary})
+                if args.report:
+                    runs.append(Run(label, concurrency, rate, summary, [r.ttft for r in results if r.ok and r.ttft],
+                                    [x for r in results if r.ok for x in r.itls]))
+                if not args.json:
+                    print_report(summary, config)
     if args.json:
-        print(json.dumps({"config": config, **summary}, indent=2))
-    else:
-        print_report(summary, config)
-    return 0 if summary["failed"] == 0 else 1
+        print(json.dumps(outputs[0] if len(outputs) == 1 else {"runs": outputs}, indent=2))
+    if args.report:
+        workload = {"requests": args.num_requests, "prompt tokens": f"{args.prompt_min}-{args.prompt_max}",
+                    "output tokens": f"{args.output_min}-{args.output_max}", "seed": args.workload_seed,
+                    "endpoint": args.endpoint}
+        path = write_report(runs, Path(args.report), workload)
+        print(f"report: {path}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def add_parser(bench_sub) -> None:
     p = bench_sub.add_parser("serve", help="load-test any OpenAI-compatible server over HTTP (streaming)")
-    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000 (without /v1)")
-    p.add_argument("--model", default=None, help="model name to send (default: none, the server's default)")
+    p.add_argument("--base-url", required=True, nargs="+",
+                   help="e.g. http://127.0.0.1:8000 (without /v1); several: each is run in turn, side by side in --report")
+    p.add_argument("--model", nargs="+", default=[None],
+                   help="model name to send (default: none, the server's default); one, or one per --base-url")
+    p.add_argument("--label", nargs="+", default=None, help="a name per --base-url for the report (default: host:port)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--api-key", default=None)
     p.add_argument("--num-requests", type=int, default=64)
@@ -282,8 +311,10 @@ def add_parser(bench_sub) -> None:
     p.add_argument("--vocab-size", type=int, default=32000, help="token ids are drawn below this (token-id prompts)")
     p.add_argument("--prompt-format", choices=["ids", "text"], default="ids",
                    help="send token ids (exact lengths) or words (for servers without token-id prompts)")
-    p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrival rate in req/s (inf: all now)")
-    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    p.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
+                   help="Poisson arrival rate in req/s (inf: all now); several values: one run each")
+    p.add_argument("--max-concurrency", type=int, nargs="+", default=[None],
+                   help="most requests in flight at once; several values: one run each")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: send top_p")
     p.add_argument("--top-k", type=int, default=None, help="send top_k (a vLLM-style extension)")
@@ -293,17 +324,24 @@ def add_parser(bench_sub) -> None:
                    help="send one request before timing")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--json", action="store_true", help="print the results as JSON (several runs: {\"runs\": [...]})")
+    p.add_argument("--report", default=None, metavar="DIR",
+                   help="write PNG plots and a self-contained report.html there (throughput against the load, "
+                        "TTFT and ITL distributions, the servers side by side)")
     p.set_defaults(func=_validated_run)
 
 
 def _validated_run(args) -> int:
     if args.num_requests < 1:
         raise ValueError(f"--num-requests {args.num_requests} must be >= 1")
-    if args.max_concurrency is not None and args.max_concurrency < 1:
+    if any(c is not None and c < 1 for c in args.max_concurrency):
         raise ValueError(f"--max-concurrency {args.max_concurrency} must be >= 1")
-    if not args.request_rate > 0:
+    if not all(r > 0 for r in args.request_rate):
         raise ValueError(f"--request-rate {args.request_rate} must be > 0 (inf: send all at once)")
+    if len(args.model) not in (1, len(args.base_url)):
+        raise ValueError(f"--model: give one name or one per --base-url ({len(args.base_url)})")
+    if args.label is not None and len(args.label) != len(args.base_url):
+        raise ValueError(f"--label: give one per --base-url ({len(args.base_url)})")
     if not args.temperature >= 0:
         raise ValueError(f"--temperature {args.temperature} must be >= 0")
     if args.top_p is not None and not 0 < args.top_p <= 1:

@@ -22,7 +22,7 @@ from kvserve.model.quant.registry import describe_quantization, weight_bytes
 from kvserve.request import Request, RequestStatus
 from kvserve.runtime.allocator import keep_freed_memory
 from kvserve.runtime.host_memory import check_fits
-from kvserve.scheduler.output import SchedulerOutput
+from kvserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.spec_decode.controller import SpeculativeController
 from kvserve.spec_decode.proposer import make_proposer
@@ -111,6 +111,7 @@ class EngineCore:
         self.num_batched_tokens = 0  # tokens computed over all steps (prompt chunks, decodes, proposals)
         self.failed: list[RequestFailedError] = []  # requests a step took out; the caller drains it
         self._failed_steps = 0  # consecutive steps in which every request failed
+        self.num_prefill_tokens = self.num_decode_tokens = self.num_spec_tokens = 0  # the same, split
         self.spec = self._make_speculation(config)
 
     def _kv_length_limit(self, config: EngineConfig) -> int:
@@ -171,8 +172,9 @@ class EngineCore:
         self.finish(request_id, FinishReason.ABORT)
         return request
 
-    def stats(self) -> EngineSnapshot:
-        """The gauges and counters now (call on the engine thread)."""
+    def stats(self, with_block_map: bool = False) -> EngineSnapshot:
+        """The gauges and counters now (call on the engine thread); ``with_block_map`` adds the KV
+        pool's block map, which costs O(blocks)."""
         kv, spec = self.kv_cache, self.spec.stats if self.spec is not None else None
         return EngineSnapshot(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
@@ -183,7 +185,9 @@ class EngineCore:
             prefix_cache_evictions=kv.pool.stats.evictions,
             spec_proposed_tokens=spec.proposed if spec else 0, spec_accepted_tokens=spec.accepted if spec else 0,
             spec_verify_steps=spec.verified_requests if spec else 0, spec_emitted_tokens=spec.emitted if spec else 0,
-            num_steps=self.num_steps, num_batched_tokens=self.num_batched_tokens)
+            num_steps=self.num_steps, num_batched_tokens=self.num_batched_tokens,
+            num_prefill_tokens=self.num_prefill_tokens, num_decode_tokens=self.num_decode_tokens,
+            num_spec_tokens=self.num_spec_tokens, block_map=kv.block_map() if with_block_map else None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -199,7 +203,9 @@ class EngineCore:
         if self.has_unfinished():
             raise RuntimeError("warm_up needs an idle engine")
         limit = min(self.max_model_len - 1, self.config.scheduler.max_num_batched_tokens)
-        kv, counters = self.kv_cache, (self.num_steps, self.num_batched_tokens)
+        kv = self.kv_cache
+        counters = (self.num_steps, self.num_batched_tokens, self.num_prefill_tokens, self.num_decode_tokens,
+                    self.num_spec_tokens)
         caching, kv.enable_prefix_caching = kv.enable_prefix_caching, False
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         try:
@@ -212,7 +218,8 @@ class EngineCore:
                 elapsed = time.perf_counter() - start
         finally:
             kv.enable_prefix_caching = caching
-            self.num_steps, self.num_batched_tokens = counters
+            self.num_steps, self.num_batched_tokens = counters[:2]
+            self.num_prefill_tokens, self.num_decode_tokens, self.num_spec_tokens = counters[2:]
         return n / elapsed
 
     def step(self) -> list[StepUpdate]:
@@ -224,6 +231,7 @@ class EngineCore:
             req = self.scheduler.requests[s.request_id]
             if req.metrics.first_scheduled is None:
                 req.metrics.first_scheduled = now
+            self._count_kind(s)
         sampled = self._execute(out)
         self.num_steps += 1
         self.num_batched_tokens += out.num_batched_tokens
@@ -277,6 +285,17 @@ class EngineCore:
     def take_failed(self) -> list[RequestFailedError]:
         failed, self.failed = self.failed, []
         return failed
+
+    def _count_kind(self, s: ScheduledRequest) -> None:
+        """A chunk is speculative proposals at its end, and before them either one decode (a lone token
+        past the prompt) or a prefill (prompt tokens, or tokens recomputed after a preemption)."""
+        spec = len(s.spec_token_ids)
+        rest = len(s.token_ids) - spec
+        self.num_spec_tokens += spec
+        if rest == 1 and s.start_pos >= len(s.prompt_token_ids):
+            self.num_decode_tokens += 1
+        else:
+            self.num_prefill_tokens += rest
 
     def _append_verified(self, out: SchedulerOutput, emitted: dict[str, list[int]], now: float) -> list[StepUpdate]:
         updates = []

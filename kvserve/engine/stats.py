@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.kv_cache.block_map import BlockMap
+
 
 @dataclass(frozen=True)
 class EngineSnapshot:
@@ -29,3 +31,9 @@ class EngineSnapshot:
     # preemption, decodes, speculative proposals); the warm-up at start-up is not counted
     num_steps: int = 0
     num_batched_tokens: int = 0
+    # ... split three ways: prompt chunks (and recomputed ones), one-token decodes, speculative proposals
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_spec_tokens: int = 0
+    # the KV pool block by block, only when the publisher asked for it (a dashboard is watching)
+    block_map: BlockMap | None = None

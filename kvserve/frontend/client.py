@@ -15,6 +15,7 @@ instead of a growing queue.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import queue
@@ -49,6 +50,8 @@ BURST_QUIET_S = 0.004
 BURST_GAP_S = 0.02
 BURST_MAX_WAIT_S = 0.1
 BURST_STEP_FRACTION = 0.05
+# While someone watches (the live dashboard), a snapshot carries the KV block map at most this often.
+BLOCK_MAP_PERIOD_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -69,11 +72,16 @@ class AbortRequest:
 
 
 @dataclass(frozen=True)
+class Refresh:
+    """Engine-thread command: publish a snapshot now (one with the block map, if someone watches)."""
+
+
+@dataclass(frozen=True)
 class Stop:
     """Engine-thread command: abort everything and end the thread."""
 
 
-Command = AddRequest | AbortRequest | Stop
+Command = AddRequest | AbortRequest | Refresh | Stop
 
 
 class IncomingRequests:
@@ -208,6 +216,8 @@ class AsyncEngineClient:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._prefill_rate: float | None = None  # tokens/s, measured by the engine's warm-up
+        self.watchers = 0  # live dashboards connected; changed on the event loop, read by the engine thread
+        self._block_map_at = 0.0  # engine thread: when a snapshot last carried the block map
 
     # ---- lifecycle (event loop side) ---------------------------------------------------------
     def start(self) -> None:
@@ -287,6 +297,15 @@ class AsyncEngineClient:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(AbortRequest(request_id))
+
+    def watch(self) -> None:
+        """A live dashboard connects: snapshots carry the block map until ``unwatch``; an idle engine
+        publishes one at once."""
+        self.watchers += 1
+        self._commands.put(Refresh())
+
+    def unwatch(self) -> None:
+        self.watchers -= 1
 
     def _check_alive(self) -> None:
         if self.error is not None or self._stopping or (self._thread is not None and not self._thread.is_alive()):
@@ -395,7 +414,9 @@ class AsyncEngineClient:
                 if self.incoming.count <= 0 or time.perf_counter() >= deadline:
                     return None
 
-    def _apply(self, engine: LLMEngine, command: AddRequest | AbortRequest) -> bool:
+    def _apply(self, engine: LLMEngine, command: AddRequest | AbortRequest | Refresh) -> bool:
+        if isinstance(command, Refresh):
+            return True
         if isinstance(command, AbortRequest):
             if engine.has_request(command.request_id):
                 engine.abort_request(command.request_id)
@@ -427,7 +448,17 @@ class AsyncEngineClient:
         self._to_loop(self._deliver_error, None, EngineDeadError("the server is shutting down"))
 
     def _publish(self, engine: LLMEngine, outputs: list[RequestOutput] | None = None) -> None:
-        snapshot = engine.core.stats()
+        with_map = False
+        if self.watchers > 0:
+            # an idle engine publishes no more until new work comes: its last map must be current
+            now = time.perf_counter()
+            with_map = now - self._block_map_at >= BLOCK_MAP_PERIOD_S or not engine.has_unfinished()
+            if with_map:
+                self._block_map_at = now
+        snapshot = engine.core.stats(with_block_map=with_map)
+        if not with_map and self.watchers > 0 and self._published[0].block_map is not None:
+            # the map stays until the next one is due, so a reader between two always finds one
+            snapshot = dataclasses.replace(snapshot, block_map=self._published[0].block_map)
         self._published = (snapshot, self._admitted)
         if self.stats is not None:
             if outputs:

@@ -51,6 +51,10 @@ class BlockPool:
         """Unused blocks that still hold reusable KV."""
         return sum(1 for b in self._free if b in self._key_of)
 
+    def cached_free_blocks(self) -> list[int]:
+        """Unused blocks that still hold reusable KV, in eviction order."""
+        return [b for b in self._free if b in self._key_of]
+
     def ref_count(self, block: int) -> int:
         return self._ref_count[block]
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.kv_cache.block_map import CACHED, OWNED, SHARED, BlockMap
 from kvserve.kv_cache.block_pool import BlockPool
 from kvserve.kv_cache.hashing import BlockKey, chain_keys
 from kvserve.request import Request
@@ -233,6 +234,18 @@ class KVCacheManager:
         """Drop everything about a request that has ended (its blocks and its cached block keys)."""
         self.free(request_id)
         self._keys.pop(request_id, None)
+
+    def block_map(self) -> BlockMap:
+        """Each block's state now, for the dashboard: O(blocks), a few hundred microseconds per thousand."""
+        cells = bytearray(self.pool.num_blocks)  # FREE
+        for b in self.pool.cached_free_blocks():
+            cells[b] = CACHED
+        ids = tuple(self._tables)
+        for i, table in enumerate(self._tables.values()):
+            code = min(OWNED + i, 255)
+            for b in table:
+                cells[b] = SHARED if self.pool.ref_count(b) > 1 else code
+        return BlockMap(bytes(cells), ids)
 
     def check_invariants(self) -> None:
         """Pool consistency, and every owned block's ref count equals the tables that hold it."""

@@ -61,6 +61,9 @@ class PrometheusMetrics:
                 ("num_steps", "engine_steps", "Engine steps run"),
                 ("num_batched_tokens", "computed_tokens",
                  "Tokens computed by engine steps: prompt chunks (again after a preemption), decodes, proposals"),
+                ("num_prefill_tokens", "computed_prefill_tokens", "Computed tokens that were prompt chunks"),
+                ("num_decode_tokens", "computed_decode_tokens", "Computed tokens that were one-token decodes"),
+                ("num_spec_tokens", "computed_spec_tokens", "Computed tokens that were speculative proposals"),
             )}
         self.prefix_hit_rate = Gauge(ns + "prefix_cache_hit_rate", "Prefix-cache hits / queries since start (tokens)",
                                      **label).labels(model_name)

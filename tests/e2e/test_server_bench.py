@@ -56,3 +56,23 @@ def test_failed_requests_are_reported_and_poisson_text_prompts_run(server):
                   "--output-min", "4", "--output-max", "4", "--prompt-min", "4", "--prompt-max", "8")
     assert (text["completed"], text["output_tokens"]) == (6, 24)
     assert text["config"]["request_rate"] == 20.0
+
+
+def test_report_puts_servers_and_load_points_side_by_side(server, tmp_path):
+    # The same server under two names stands in for two servers: the report cannot tell them apart.
+    out = tmp_path / "report"
+    report = _bench(server, "--base-url", server.base_url, server.base_url, "--label", "first", "second",
+                    "--max-concurrency", "1", "4", "--num-requests", "4", "--prompt-min", "8", "--prompt-max", "8",
+                    "--output-min", "12", "--output-max", "12", "--report", str(out))
+    runs = report["runs"]
+    assert [(r["config"]["base_url"], r["config"]["max_concurrency"]) for r in runs] == \
+        [(server.base_url, 1), (server.base_url, 4)] * 2
+    assert all(r["completed"] == 4 and r["output_tokens"] == 48 for r in runs)
+    for name in ("throughput.png", "ttft.png", "itl.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    page = (out / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == 3 and "src=\"http" not in page
+    assert page.count("<td>first</td>") == 2 and page.count("<td>second</td>") == 2
+    assert "concurrency 4" in page
+    saved = json.loads((out / "runs.json").read_text())
+    assert [r["server"] for r in saved["runs"]] == ["first", "first", "second", "second"]

@@ -25,9 +25,11 @@ from kvserve.entrypoints.openai.models import list_models
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.entrypoints.openai.schema import install_openapi
 from kvserve.entrypoints.openai.serving import ClientDisconnected, ServerState
+from kvserve.entrypoints.web import routes as web
 from kvserve.frontend.client import AsyncEngineClient, IncomingRequests
 from kvserve.metrics.prometheus import CONTENT_TYPE, PrometheusMetrics
 from kvserve.metrics.stats import StatsCollector
+from kvserve.metrics.totals import FanOut, Totals
 from kvserve.types import VERSION
 
 logger = logging.getLogger("kvserve.server")
@@ -132,7 +134,9 @@ def build_app(config: EngineConfig, options: ServerOptions,
     """An app with its own engine client and metrics registry; the engine starts with the app.
     ``on_fatal``: see AsyncEngineClient (``kvserve serve`` stops the server and exits non-zero)."""
     metrics = PrometheusMetrics(options.model_names[0])
-    client = AsyncEngineClient(config, options.max_queue, StatsCollector(metrics), options.freeze_gc, on_fatal)
+    totals = Totals()  # for the live dashboard
+    client = AsyncEngineClient(config, options.max_queue, StatsCollector(FanOut(metrics, totals)), options.freeze_gc,
+                               on_fatal)
     state = ServerState(client, list(options.model_names), metrics, options.api_key)
 
     @asynccontextmanager
@@ -154,6 +158,10 @@ def build_app(config: EngineConfig, options: ServerOptions,
     app.add_middleware(CountIncoming, incoming=client.incoming)
     app.include_router(v1)
     app.include_router(plain)
+    app.state.kvserve_web = web.WebState(client, totals)
+    app.include_router(web.pages)
+    app.include_router(web.api)  # under /v1: RequestGuard checks the key
+    app.mount("/static", web.static_files(), name="static")
     return app
 
 

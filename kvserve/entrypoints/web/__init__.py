@@ -1,0 +1,1 @@
+"""The browser side of ``kvserve serve``: the playground at /, the live dashboard at /dashboard."""
