@@ -54,8 +54,11 @@ class GrammarCompiler:
                 import llguidance.hf
 
                 n_vocab = max(self.vocab_size, len(self._hf_tokenizer))
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=n_vocab,
-                                                                  eos_token=self._eos)
+                try:
+                    self._ll_tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=n_vocab,
+                                                                      eos_token=self._eos)
+                except ValueError as e:  # e.g. a WordPiece decoder: llguidance needs every byte string tokenizable
+                    raise ValueError(f"structured_outputs are not supported for this model's tokenizer: {e}") from None
             return self._ll_tokenizer
 
     def matcher(self, spec: StructuredOutputs) -> GrammarMatcher:
@@ -181,11 +184,12 @@ class MaskFiller:
         if self._executor is None:
             self._executor = LLExecutor(num_threads=1)  # the forward pass has the cores; this thread overlaps it
         bitmask = torch.zeros((num_rows, self.words), dtype=torch.int32)
-        if any(r.draft_token_ids for r in requests):
-            fill_next_token_bitmask_par_with_draft_tokens(
-                self._executor, [(r.matcher.raw, r.first_row, r.draft_token_ids) for r in requests], bitmask)
-        else:
-            fill_next_token_bitmask_par(self._executor, [(r.matcher.raw, r.first_row) for r in requests], bitmask)
+        drafted = [(r.matcher.raw, r.first_row, r.draft_token_ids) for r in requests if r.draft_token_ids]
+        plain = [(r.matcher.raw, r.first_row) for r in requests if not r.draft_token_ids]
+        if drafted:  # llguidance refuses an empty draft here, so the two kinds go in two calls
+            fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, bitmask)
+        if plain:
+            fill_next_token_bitmask_par(self._executor, plain, bitmask)
         return bitmask
 
     def close(self) -> None:
