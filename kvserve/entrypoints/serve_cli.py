@@ -13,6 +13,8 @@ import os
 import signal
 
 from kvserve.entrypoints.cli import add_engine_args, engine_kwargs
+from kvserve.entrypoints.openai.reasoning import REASONING_PARSERS
+from kvserve.entrypoints.openai.tool_parsers import PARSERS as TOOL_PARSERS
 
 logger = logging.getLogger("kvserve.server")
 
@@ -32,6 +34,10 @@ def add_parser(sub) -> None:
                    help="waiting requests beyond which new ones get 429 at once")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGINT/SIGTERM")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how the model writes tool calls (default: recognised from its chat template)")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="'think': text in <think>...</think> goes to reasoning_content, the rest to content")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=serve)
 
@@ -54,7 +60,8 @@ def serve(args: argparse.Namespace) -> int:
     resolve_model_path(config.model)  # a wrong path fails here, not after the port is open
     names = tuple(args.served_model_name or [default_served_name(kwargs["model"])])
     address = f"http://{args.host}:{args.port}"
-    options = ServerOptions(names, args.api_key, args.max_queue, address, freeze_gc=True)
+    options = ServerOptions(names, args.api_key, args.max_queue, address, freeze_gc=True,
+                            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.info("kvserve %s: loading %s; listening on %s", names[0], kwargs["model"] or "the default model", address)
     server = uvicorn.Server(uvicorn.Config(build_app(config, options), host=args.host, port=args.port,

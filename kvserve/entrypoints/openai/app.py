@@ -21,7 +21,9 @@ from kvserve.entrypoints.openai.completions import create_completion
 from kvserve.entrypoints.openai.errors import APIError, error_response, install_error_handlers
 from kvserve.entrypoints.openai.models import list_models
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from kvserve.entrypoints.openai.serving import ClientDisconnected, ServerState
+from kvserve.entrypoints.openai.tool_parsers import PARSERS as TOOL_PARSERS
 from kvserve.frontend.client import AsyncEngineClient, IncomingRequests
 from kvserve.metrics.prometheus import CONTENT_TYPE, PrometheusMetrics
 from kvserve.metrics.stats import StatsCollector
@@ -39,8 +41,15 @@ class ServerOptions:
     max_queue: int = 1024
     address: str = ""  # for the ready log line only
     freeze_gc: bool = False  # the process is this server's alone: see AsyncEngineClient
+    tool_call_parser: str | None = None  # None: chosen from the model's chat template
+    reasoning_parser: str | None = None  # "think": <think>...</think> goes to reasoning_content
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} must be one of {', '.join(TOOL_PARSERS)}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser {self.reasoning_parser!r} must be one of "
+                             f"{', '.join(REASONING_PARSERS)}")
         if not self.model_names or any(not n for n in self.model_names):
             raise ValueError(f"served model names {self.model_names!r} must be non-empty strings")
         if self.max_queue < 1:
@@ -136,7 +145,8 @@ def build_app(config: EngineConfig, options: ServerOptions) -> FastAPI:
     """An app with its own engine client and metrics registry; the engine starts with the app."""
     metrics = PrometheusMetrics(options.model_names[0])
     client = AsyncEngineClient(config, options.max_queue, StatsCollector(metrics), options.freeze_gc)
-    state = ServerState(client, list(options.model_names), metrics, options.api_key)
+    state = ServerState(client, list(options.model_names), metrics, options.api_key,
+                        tool_call_parser=options.tool_call_parser, reasoning_parser=options.reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
