@@ -333,13 +333,24 @@ class PythonicParser(ToolParser):
             fn = tool["function"]
             params = fn.get("parameters") or {}
             props = params.get("properties") or {}
-            parts = []
-            for j, name in enumerate(params.get("required") or []):
+            required = [n for n in params.get("required") or [] if n in props or not props]
+            optional = [n for n in props if n not in required]
+            kw = {}
+            for j, name in enumerate(required + optional):
                 schema = {**props.get(name, {}), "x-guidance": _X_GUIDANCE}
                 lines.append(f"arg_{i}_{j}: %json " + json.dumps(schema))
-                parts.append(f"{_lark_str(name + '=')} arg_{i}_{j}")
-            joined = ' ", " '.join(parts)
-            lines.append(f"call_{i}: {_lark_str(fn['name'] + '(')} {joined} \")\"")
+                kw[name] = f"{_lark_str(name + '=')} arg_{i}_{j}"
+            # required keywords first, in order; then any of the optional ones, in order
+            body = ' ", " '.join(kw[n] for n in required)
+            tails = []
+            for k in range(len(optional)):
+                chain = kw[optional[k]] + "".join(f' (", " {kw[n]})?' for n in optional[k + 1:])
+                tails.append(chain)
+            if tails and required:
+                body += "".join(f' (", " {kw[n]})?' for n in optional)
+            elif tails:
+                body = "(" + " | ".join(f"({t})" for t in tails) + ")?"
+            lines.append(f"call_{i}: {_lark_str(fn['name'] + '(')} {body} \")\"")
         return "\n".join(lines)
 
 
