@@ -21,12 +21,14 @@ from tests.e2e.tool_templates import TEMPLATES
 
 ENGINE_ARGS = ["--num-kv-blocks", "512", "--block-size", "16", "--max-model-len", "2048", "--dtype", "float32",
                "--served-model-name", "x"]
+# additionalProperties false on both: an open object lets a random model write keys until max_tokens.
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
              "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                               "days": {"type": "integer", "minimum": 1, "maximum": 7}},
              "required": ["city", "days"], "additionalProperties": False}}},
          {"type": "function", "function": {"name": "now", "description": "The time",
-                                           "parameters": {"type": "object", "properties": {}}}}]
+                                           "parameters": {"type": "object", "properties": {},
+                                                          "additionalProperties": False}}}]
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 # Each family's reply with text before the calls where its format allows it, two calls, the second without arguments.
 REPLIES = {
@@ -62,8 +64,8 @@ def family(request, tmp_path_factory):
 
 
 def _create(client, **kwargs):
-    return client.chat.completions.create(model="x", messages=USER, tools=TOOLS, temperature=0,
-                                          max_completion_tokens=200, **kwargs)
+    kwargs = {"max_completion_tokens": 200, **kwargs}
+    return client.chat.completions.create(model="x", messages=USER, tools=TOOLS, temperature=0, **kwargs)
 
 
 def _stream(client, **kwargs) -> tuple[list, str | None]:
