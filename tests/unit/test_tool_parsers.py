@@ -146,7 +146,7 @@ def test_reasoning_split_whole_and_streamed():
     split = parser.split(text, final=True)
     assert (split.reasoning, split.content) == ("\nThe user wants JSON.\n", '{"a": 1}')
     stream, reasoning, seen = ReasoningStream(parser), "", ""
-    for i, piece in enumerate(_pieces(text)):
+    for piece in _pieces(text):
         seen += piece
         new, content = stream.update(seen, final=False)
         reasoning += new
