@@ -3,7 +3,7 @@
 # First, before anything loads torch: OpenMP reads its wait policy once, when torch loads it.
 from kvserve.runtime import threads as _threads  # noqa: F401, I001
 from kvserve.entrypoints.llm import LLM
-from kvserve.types import VERSION, RequestOutput, SamplingParams
+from kvserve.types import VERSION, RequestOutput, SamplingParams, StructuredOutputs
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutputs"]
 __version__ = VERSION

@@ -46,6 +46,7 @@ class Request:
     spec_acceptance: float = 1.0  # moving average of the accepted share of proposals
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # filled when params.logprobs is set
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # for prompt tokens 1.., if asked
+    grammar: Any = None  # structured outputs: its GrammarMatcher (sample/grammar.py), advanced on every token
 
     @property
     def all_token_ids(self) -> list[int]:

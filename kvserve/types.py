@@ -26,6 +26,45 @@ _INT_FIELDS = ("max_tokens", "top_k", "n")
 MAX_SEED = 1 << 63  # seeds are taken modulo 2^63 by the sampler; a bound keeps the arithmetic cheap
 
 
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on what a request may generate, shaped like vLLM's: exactly one of a JSON
+    schema (``json``, a dict or its text), ``json_object`` (any JSON object), a ``regex``, a
+    ``choice`` of strings, or a ``grammar`` (Lark, as llguidance reads it, or GBNF).
+
+    Only the shape is checked here; whether the schema, regex or grammar compiles is checked where
+    the grammar engine lives (sample/grammar.py), which raises ValueError naming the problem.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, dict | str):
+            raise ValueError("structured_outputs json must be a JSON schema (a dict or its JSON text)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs {name} must be a non-empty string")
+        if self.choice is not None:
+            if not isinstance(self.choice, list | tuple) or not self.choice or \
+                    any(not isinstance(c, str) or not c for c in self.choice):
+                raise ValueError("structured_outputs choice must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", list(self.choice))
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name))
+
+
 @dataclass
 class SamplingParams:
     """Per-request generation parameters, shaped like vLLM's.
@@ -39,7 +78,8 @@ class SamplingParams:
     and multiplies negative logits of tokens seen in the prompt or the output. ``logit_bias`` adds
     a bias in [-100, 100] to the given token ids. ``logprobs`` asks for the chosen token's log
     probability plus that many likeliest alternatives (0 to 20) per generated token;
-    ``prompt_logprobs`` the same for every prompt token after the first.
+    ``prompt_logprobs`` the same for every prompt token after the first. ``structured_outputs``
+    constrains the output to a JSON schema, regex, choice or grammar (a dict of those fields works too).
     """
 
     max_tokens: int = 16
@@ -58,8 +98,14 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputs(**self.structured_outputs)
+            except TypeError as e:  # an unknown key
+                raise ValueError(f"structured_outputs {e}") from None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -125,6 +171,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name}={value!r} must be an integer in [0, {MAX_LOGPROBS}] or None")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise ValueError("structured_outputs must be a StructuredOutputs (or a dict of its fields) or None")
 
     @property
     def greedy(self) -> bool:

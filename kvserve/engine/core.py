@@ -22,6 +22,7 @@ from kvserve.model.quant.registry import describe_quantization, weight_bytes
 from kvserve.request import Request, RequestStatus
 from kvserve.runtime.allocator import keep_freed_memory
 from kvserve.runtime.host_memory import check_fits
+from kvserve.sample.grammar import GrammarCompiler
 from kvserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.spec_decode.controller import SpeculativeController
@@ -113,6 +114,12 @@ class EngineCore:
         self._failed_steps = 0  # consecutive steps in which every request failed
         self.num_prefill_tokens = self.num_decode_tokens = self.num_spec_tokens = 0  # the same, split
         self.spec = self._make_speculation(config)
+        self.grammars: GrammarCompiler | None = None  # structured outputs: set by use_tokenizer()
+
+    def use_tokenizer(self, tokenizer) -> None:
+        """Enable structured outputs: grammars are compiled against the model's (HF fast) tokenizer,
+        which only the text layer loads."""
+        self.grammars = GrammarCompiler(tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
 
     def _kv_length_limit(self, config: EngineConfig) -> int:
         """The longest sequence the KV pool holds: all of it, unless every layer slides over a window
@@ -146,6 +153,8 @@ class EngineCore:
             raise ValueError(f"priority={priority!r} must be an integer (lower runs first)")
         request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=eos, priority=priority,
                           fork_of=fork_of)
+        if params.structured_outputs is not None:
+            request.grammar = self.grammars.matcher(params.structured_outputs)
         self.scheduler.add_request(request)
         return request
 
@@ -166,6 +175,10 @@ class EngineCore:
         bad = [t for t in (params.logit_bias or {}) if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab}); got {bad[:3]}")
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise ValueError("structured_outputs needs the model's tokenizer: this engine was started without one")
+            self.grammars.validate(params.structured_outputs)  # compiles it (cached): a bad schema is a ValueError
 
     def abort_request(self, request_id: str) -> Request | None:
         request = self.scheduler.requests.get(request_id)
@@ -324,6 +337,8 @@ class EngineCore:
             request.output_token_ids.append(token)
             appended.append(token)
             reason = self._stop_reason(request, token)
+            if request.grammar is not None and reason is None:
+                reason = self._grammar_stop(request, token)
             if reason is not None:
                 self.finish(request.request_id, reason)
                 return StepUpdate(request, appended, True)
@@ -336,6 +351,16 @@ class EngineCore:
         if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+    def _grammar_stop(self, request: Request, token: int) -> FinishReason | None:
+        """Advance the request's grammar; a complete grammar ends the request (it allows no more)."""
+        if not request.grammar.accept(token):
+            # Masked sampling only picks allowed tokens, so this is a bug, not bad input: end the
+            # request rather than let it run unconstrained.
+            log.error("request %s: token %d rejected by its grammar: %s", request.request_id, token,
+                      request.grammar.error)
+            return FinishReason.STOP
+        return FinishReason.STOP if request.grammar.is_finished else None
 
     def finish(self, request_id: str, reason: FinishReason) -> None:
         if self.spec is not None:

@@ -21,6 +21,8 @@ from kvserve.entrypoints.cli import add_engine_args, engine_kwargs
 from kvserve.entrypoints.cluster.replicas import BACKENDS
 from kvserve.entrypoints.cluster.router import ROUTERS
 from kvserve.entrypoints.openai.guard import DEFAULT_MAX_REQUEST_BYTES
+from kvserve.entrypoints.openai.reasoning import REASONING_PARSERS
+from kvserve.entrypoints.openai.tool_parsers import PARSERS as TOOL_PARSERS
 
 logger = logging.getLogger("kvserve.server")
 EXIT_FATAL = 3  # the engine died: not a usage error (2) nor a failed start (1)
@@ -47,6 +49,10 @@ def add_parser(sub) -> None:
                    help="largest request body accepted (413 beyond it)")
     p.add_argument("--metrics-require-key", action="store_true",
                    help="require the API key on /metrics too (/health, /version, /docs and /openapi.json stay open)")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how the model writes tool calls (default: recognised from its chat template)")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="'think': text in <think>...</think> goes to reasoning_content, the rest to content")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas behind one front end (each a whole kvserve server with its own KV cache)")
@@ -88,7 +94,8 @@ def serve(args: argparse.Namespace) -> int:
         return serve_cluster(args, args.argv, config, names)
     address = f"http://{args.host}:{args.port}"
     options = ServerOptions(names, args.api_key, args.max_queue, address, freeze_gc=True,
-                            max_request_bytes=args.max_request_bytes, metrics_require_key=args.metrics_require_key)
+                            max_request_bytes=args.max_request_bytes, metrics_require_key=args.metrics_require_key,
+                            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.info("kvserve %s: loading %s; listening on %s", names[0], kwargs["model"] or "the default model", address)
     fatal: list[BaseException] = []

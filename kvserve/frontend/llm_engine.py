@@ -52,6 +52,7 @@ class LLMEngine:
         self.config = self.core.config  # dtype "auto" resolved
         self.tokenizer = load_tokenizer(self.core.model_path)
         token_bytes_table(self.tokenizer, True)  # built (and checked) at load, not in the first request
+        self.core.use_tokenizer(self.tokenizer)  # structured outputs compile grammars against it
         self._tracked: dict[str, _Tracked] = {}
         self._sequences: dict[str, tuple[_Tracked, _Sequence]] = {}  # core sequence id -> its request, itself
         self._failed: list[RequestFailedError] = []  # requests a step took out, until take_failed()

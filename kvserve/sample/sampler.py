@@ -7,8 +7,9 @@ needs a random number per vocabulary entry, which on a CPU costs a large share o
 generator keyed by (seed, tokens generated so far), so its samples do not depend on what else
 is in the batch, on preemption, or on earlier steps having run at all.
 
-Penalties and logit_bias (penalties.py) adjust the logits first; logprobs are read from the raw
-log-softmax, before penalties and temperature, and only for the rows that ask.
+Penalties and logit_bias (penalties.py) adjust the logits first, then structured outputs' token
+masks (grammar.py) rule out what a row's grammar forbids; logprobs are read from the raw
+log-softmax, before penalties, masks and temperature, and only for the rows that ask.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.model.cpu_kernels import load_kernels
+from kvserve.sample.grammar import apply_bitmask
 from kvserve.sample.penalties import apply_penalties
 from kvserve.types import SamplingParams, TokenLogprob
 
@@ -33,6 +35,9 @@ class SamplingBatch:
     # Each row's token history, read only by rows that need penalties (references, not copies).
     prompt_token_ids: list[list[int]] = field(default_factory=list)
     output_token_ids: list[list[int]] = field(default_factory=list)
+    # Structured outputs: the allowed-token bitmask [len(masked_rows), words] of the constrained rows.
+    bitmask: torch.Tensor | None = None
+    masked_rows: list[int] = field(default_factory=list)
 
     @property
     def all_greedy(self) -> bool:
@@ -58,8 +63,10 @@ class Sampler:
         # The sampling and logprob kernels need no float copy of [B, V] (bf16 -> float32 is exact and
         # monotonic); penalties work on one, and the torch paths make their own.
         raw = logits.float() if any(p.needs_penalties for p in batch.params) else logits
-        tokens = self._sample(apply_penalties(raw, batch.params, batch.prompt_token_ids, batch.output_token_ids),
-                              batch)
+        adjusted = apply_penalties(raw, batch.params, batch.prompt_token_ids, batch.output_token_ids)
+        if batch.bitmask is not None:
+            adjusted = apply_bitmask(adjusted, batch.bitmask, batch.masked_rows)
+        tokens = self._sample(adjusted, batch)
         if all(p.logprobs is None for p in batch.params):
             return SamplerOutput(tokens.tolist())
         return SamplerOutput(tokens.tolist(), token_logprobs(raw, tokens, [p.logprobs for p in batch.params]))

@@ -28,6 +28,7 @@ class ScheduledRequest:
     # The request's token history, for penalties and prompt logprobs (shared references, not copies).
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+    grammar: Any = None  # structured outputs: the request's GrammarMatcher, whose masks constrain sampling
 
 
 @dataclass

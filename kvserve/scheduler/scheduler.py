@@ -222,6 +222,7 @@ class Scheduler:
             output_token_ids=request.output_token_ids,
             spec_token_ids=list(spec or []),
             spec_probs=None if not spec or request.spec_probs is None else request.spec_probs[:len(spec)],
+            grammar=request.grammar,
         )
 
     def update_after_step(self, out: SchedulerOutput, num_accepted: dict[str, int] | None = None) -> None:

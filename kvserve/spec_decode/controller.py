@@ -54,6 +54,8 @@ class SpeculativeController:
             if p is None:
                 continue
             k = min(self._k_for(r), len(p.token_ids))
+            if r.grammar is not None:  # structured outputs: only proposals the grammar allows are worth scoring
+                k = r.grammar.num_valid(p.token_ids[:k])
             r.spec_token_ids = p.token_ids[:k]
             r.spec_probs = None if p.probs is None else p.probs[:k]
 

@@ -13,6 +13,7 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.model.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.model.models.llama_decode import build_fused_decoder
+from kvserve.sample.grammar import MaskFiller, MaskRequest, apply_bitmask
 from kvserve.sample.rejection import accept_proposals
 from kvserve.sample.sampler import Sampler, SamplingBatch, scored_logprobs
 from kvserve.scheduler.output import ScheduledRequest, SchedulerOutput
@@ -45,6 +46,7 @@ class ModelRunner:
             for _ in range(config.num_layers)
         ]
         self.sampler = Sampler(seed)
+        self.mask_filler: MaskFiller | None = None  # structured outputs: started with the first constrained request
         self.block_table_rows = BlockTableRows()
         # Pure decode steps in one C++ call where the model and backend allow (bitwise the same result).
         self.fused_decoder = build_fused_decoder(model, self.kv_caches, backend.fused_cache_kind(device))
@@ -60,19 +62,25 @@ class ModelRunner:
         batch = out.scheduled
         if out.block_copies:
             self._copy_blocks(out.block_copies)
+        mask_rows, masks = self._start_masks(batch)  # filled on a worker thread during the forward pass
         input_ids, positions, meta = self._prepare(batch)
         hidden = self._forward(input_ids, positions, meta)
+        bitmask = masks.result() if masks is not None else None
         result = RunnerOutput(prompt_logprobs=self._prompt_logprobs(batch, hidden, meta))
         rows = [i for i, s in enumerate(batch) if s.sample and not s.spec_token_ids]
         spec_rows = [i for i, s in enumerate(batch) if s.spec_token_ids]
         if spec_rows:
-            result.spec_token_ids = self._verify(batch, spec_rows, hidden, meta)
+            result.spec_token_ids = self._verify(batch, spec_rows, hidden, meta, mask_rows, bitmask)
         if not rows:
             return result
         logits = self.model.compute_logits(self._rows_of(hidden, rows, meta))
         chosen = [batch[i] for i in rows]
         sampling = SamplingBatch([s.sampling_params for s in chosen], [s.num_generated for s in chosen],
                                  [s.prompt_token_ids for s in chosen], [s.output_token_ids for s in chosen])
+        if bitmask is not None:
+            sampling.masked_rows = [j for j, i in enumerate(rows) if i in mask_rows]
+            if sampling.masked_rows:
+                sampling.bitmask = bitmask[[mask_rows[rows[j]] for j in sampling.masked_rows]]
         sampled = self.sampler(logits, sampling)
         result.token_ids = {s.request_id: tok for s, tok in zip(chosen, sampled.token_ids)}
         if sampled.logprobs is not None:
@@ -106,13 +114,38 @@ class ModelRunner:
     def _eager_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
 
-    def _verify(self, batch: list[ScheduledRequest], rows: list[int], hidden: torch.Tensor,
-                meta: AttentionMetadata) -> dict[str, list[int]]:
-        """Score each request's k proposals plus one position in one lm_head call; the acceptance rule
-        is sample/rejection.py's."""
+    def _start_masks(self, batch: list[ScheduledRequest]):
+        """Structured outputs: each constrained request that samples this step gets one mask row per
+        position it is sampled or verified at. Returns ({batch index: its first mask row}, a future
+        of the bitmask), or ({}, None) when no request is constrained (the common case costs nothing)."""
+        requests, first_rows, num_rows = [], {}, 0
+        for i, s in enumerate(batch):
+            if s.grammar is not None and s.sample:
+                first_rows[i] = num_rows
+                requests.append(MaskRequest(s.grammar, num_rows, list(s.spec_token_ids)))
+                num_rows += 1 + len(s.spec_token_ids)
+        if not requests:
+            return first_rows, None
+        if self.mask_filler is None:
+            self.mask_filler = MaskFiller(self.config.vocab_size)
+        return first_rows, self.mask_filler.start(requests, num_rows)
+
+    def _verify(self, batch: list[ScheduledRequest], rows: list[int], hidden: torch.Tensor, meta: AttentionMetadata,
+                mask_rows: dict[int, int], bitmask: torch.Tensor | None) -> dict[str, list[int]]:
+        """Score each request's k proposals plus one position in one lm_head call (constrained
+        requests' positions masked by their grammar); the acceptance rule is sample/rejection.py's."""
         spans = [(meta.query_start[i + 1] - len(batch[i].spec_token_ids) - 1, meta.query_start[i + 1]) for i in rows]
         index = torch.tensor([p for a, b in spans for p in range(a, b)], device=self.device)
         logits = self.model.compute_logits(hidden[index])
+        if bitmask is not None:
+            logit_rows, bit_rows, offset = [], [], 0
+            for i, (a, b) in zip(rows, spans):
+                if i in mask_rows:
+                    logit_rows += range(offset, offset + b - a)
+                    bit_rows += range(mask_rows[i], mask_rows[i] + b - a)
+                offset += b - a
+            if logit_rows:
+                logits = apply_bitmask(logits, bitmask[bit_rows], logit_rows)
         return accept_proposals(logits, [batch[i] for i in rows], self.sampler.generator)
 
     def _prompt_logprobs(self, batch: list[ScheduledRequest], hidden: torch.Tensor,

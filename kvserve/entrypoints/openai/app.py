@@ -23,8 +23,10 @@ from kvserve.entrypoints.openai.errors import error_response, install_error_hand
 from kvserve.entrypoints.openai.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from kvserve.entrypoints.openai.models import list_models
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from kvserve.entrypoints.openai.schema import install_openapi
 from kvserve.entrypoints.openai.serving import ClientDisconnected, ServerState
+from kvserve.entrypoints.openai.tool_parsers import PARSERS as TOOL_PARSERS
 from kvserve.entrypoints.web import routes as web
 from kvserve.frontend.client import AsyncEngineClient, IncomingRequests
 from kvserve.metrics.prometheus import CONTENT_TYPE, PrometheusMetrics
@@ -46,8 +48,15 @@ class ServerOptions:
     freeze_gc: bool = False  # the process is this server's alone: see AsyncEngineClient
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     metrics_require_key: bool = False  # /metrics needs the API key too
+    tool_call_parser: str | None = None  # None: chosen from the model's chat template
+    reasoning_parser: str | None = None  # "think": <think>...</think> goes to reasoning_content
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} must be one of {', '.join(TOOL_PARSERS)}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser {self.reasoning_parser!r} must be one of "
+                             f"{', '.join(REASONING_PARSERS)}")
         if not self.model_names or any(not n for n in self.model_names):
             raise ValueError(f"served model names {self.model_names!r} must be non-empty strings")
         if self.max_queue < 1:
@@ -137,7 +146,8 @@ def build_app(config: EngineConfig, options: ServerOptions,
     totals = Totals()  # for the live dashboard
     client = AsyncEngineClient(config, options.max_queue, StatsCollector(FanOut(metrics, totals)), options.freeze_gc,
                                on_fatal)
-    state = ServerState(client, list(options.model_names), metrics, options.api_key)
+    state = ServerState(client, list(options.model_names), metrics,
+                        tool_call_parser=options.tool_call_parser, reasoning_parser=options.reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

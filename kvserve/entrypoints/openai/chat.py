@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -13,8 +14,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvserve.entrypoints.openai import serving
 from kvserve.entrypoints.openai.errors import bad_request
 from kvserve.entrypoints.openai.models import resolve_model
-from kvserve.entrypoints.openai.protocol import ChatCompletionRequest
+from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from kvserve.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningStream, ThinkParser
 from kvserve.entrypoints.openai.serving import ServerState, TokenText
+from kvserve.entrypoints.openai.structured import Requested, as_api_error, requested_structure
+from kvserve.entrypoints.openai.tool_parsers import ToolCallStream
+from kvserve.entrypoints.openai.tools import ToolSetup, tool_call_id
 from kvserve.frontend.client import ModelInfo
 from kvserve.types import RequestOutput, TokenLogprob
 
@@ -28,6 +33,8 @@ class _Job:
     model: str
     created: int
     req: ChatCompletionRequest
+    tools: ToolSetup | None = None
+    reasoning: ThinkParser | None = None
 
 
 async def create_chat_completion(req: ChatCompletionRequest, state: ServerState, request: Request) -> Response:
@@ -35,13 +42,16 @@ async def create_chat_completion(req: ChatCompletionRequest, state: ServerState,
     info = state.client.ready_info()
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
-    prompt = await render_prompt(req, info, state)
+    tools = ToolSetup.of(req, info.tokenizer, state.tool_call_parser)
+    prompt_text, prompt = await render_prompt(req, info, state, tools)
+    reasoning = REASONING_PARSERS[state.reasoning_parser](prompt_text) if state.reasoning_parser else None
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = serving.resolve_max_tokens(requested, None, len(prompt), info.max_model_len, "messages", field)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = serving.build_params(req, info, max_tokens, logprobs=logprobs, renames=_RENAMES)
-    job = _Job(serving.new_id("chatcmpl"), model, int(time.time()), req)
+    structure = _structure(req, tools, reasoning)
+    params = serving.build_params(req, info, max_tokens, logprobs=logprobs, renames=_RENAMES, structure=structure)
+    job = _Job(serving.new_id("chatcmpl"), model, int(time.time()), req, tools, reasoning)
     streams = serving.submit_all(state.client, job.request_id, [prompt], params, request)
     text_of = state.token_text()
     if req.stream:
@@ -50,32 +60,98 @@ async def create_chat_completion(req: ChatCompletionRequest, state: ServerState,
     return JSONResponse(_response(job, out, text_of))
 
 
-async def render_prompt(req: ChatCompletionRequest, info: ModelInfo, state: ServerState) -> list[int]:
-    """The messages through the model's own chat template, as token ids (the template adds any BOS).
-    Their text is checked against the context window first; a long one is rendered off the event loop."""
+def _structure(req: ChatCompletionRequest, tools: ToolSetup | None, reasoning: ThinkParser | None) -> Requested | None:
+    """The reply's constraint: the client's structured outputs, or the grammar of a forced tool call;
+    with a reasoning parser it applies to the answer after the thinking."""
+    structure = requested_structure(req)
+    forced = tools.forced_structure() if tools is not None else None
+    if structure is not None and forced is not None:
+        raise bad_request(f"{structure.field} cannot be combined with tool_choice {req.tool_choice!r}: a forced tool "
+                          "call is constrained by its own grammar", "tool_choice")
+    structure = structure or forced
+    if structure is not None and reasoning is not None:
+        try:
+            structure = Requested(reasoning.constrain(structure.spec), structure.field)
+        except ValueError as e:
+            raise as_api_error(e, structure.field) from None
+    return structure
+
+
+async def render_prompt(req: ChatCompletionRequest, info: ModelInfo, state: ServerState,
+                        tools: ToolSetup | None = None) -> tuple[str, list[int]]:
+    """The messages through the model's own chat template (with the tools, when the reply may call
+    them): the prompt text and its token ids (the template adds any BOS). Their text is checked
+    against the context window first; a long one is rendered off the event loop."""
     if not getattr(info.tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
-    messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
-    size = sum(len(m["content"]) for m in messages)
-    serving.check_text(info, "".join(m["content"] for m in messages), "messages")
+    messages = [template_message(m) for m in req.messages]
+    kwargs = {"tools": tools.tools} if tools is not None and tools.offered else {}
+    size = sum(len(m["content"] or "") for m in messages)
+    serving.check_text(info, "".join(m["content"] or "" for m in messages), "messages")
+    rendered: list[str] = []
 
     def render(tokenizer) -> list[int]:
         try:
             text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                                 add_generation_prompt=req.add_generation_prompt)
+                                                 add_generation_prompt=req.add_generation_prompt, **kwargs)
         except jinja2.TemplateError as e:
             raise bad_request(f"messages do not fit the model's chat template: {e}", "messages") from None
+        rendered.append(text)
         return tokenizer.encode(text, add_special_tokens=False)
 
     ids = await serving.encode_text(state, render, size)
     serving.check_prompt(info, ids, "messages")
-    return ids
+    return rendered[0], ids
+
+
+def template_message(m: ChatMessage) -> dict:
+    """A message as chat templates read it: text content, and earlier tool calls' arguments as
+    objects (templates write them with ``tojson``; OpenAI sends them as JSON text)."""
+    out = {**m.model_dump(exclude_none=True), "content": m.text()}
+    calls = out.get("tool_calls")
+    if isinstance(calls, list):
+        fixed = []
+        for call in calls:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                try:
+                    fn = {**fn, "arguments": json.loads(fn["arguments"])}
+                except json.JSONDecodeError:
+                    raise bad_request("messages: a tool call's function.arguments is not valid JSON",
+                                      "messages") from None
+                call = {**call, "function": fn}
+            fixed.append(call)
+        out["tool_calls"] = fixed
+    return out
+
+
+def _message(job: _Job, text: str) -> tuple[dict, bool]:
+    """The assistant message of a finished choice, and whether it holds tool calls."""
+    message: dict = {"role": "assistant"}
+    if job.reasoning is not None:
+        split = job.reasoning.split(text, final=True)
+        message["reasoning_content"], text = split.reasoning, split.content
+    if job.tools is None or not job.tools.parses:
+        message["content"] = text
+        return message, False
+    parsed = job.tools.parser.parse(text, final=True)
+    calls = parsed.calls if job.req.parallel_tool_calls else parsed.calls[:1]
+    if not calls:
+        message["content"] = text
+        return message, False
+    message["content"] = parsed.content or None
+    message["tool_calls"] = [{"id": tool_call_id(), "type": "function",
+                              "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+    return message, True
 
 
 def _response(job: _Job, out: RequestOutput, text_of: TokenText) -> dict:
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": _logprobs(c.logprobs, text_of) if job.req.logprobs else None,
-                "finish_reason": c.finish_reason} for c in out.outputs]
+    choices = []
+    for c in out.outputs:
+        message, called = _message(job, c.text)
+        choices.append({"index": c.index, "message": message,
+                        "logprobs": _logprobs(c.logprobs, text_of) if job.req.logprobs else None,
+                        "finish_reason": "tool_calls" if called else c.finish_reason})
     return {"id": job.request_id, "object": "chat.completion", "created": job.created, "model": job.model,
             "choices": choices, "usage": serving.output_usage([out])}
 
@@ -89,18 +165,53 @@ def _logprobs(lps: list[TokenLogprob] | None, text_of: TokenText) -> dict:
                         for lp in lps or []]}
 
 
+class _ChoiceStream:
+    """One choice's text -> its message deltas: reasoning first, then content or tool calls."""
+
+    def __init__(self, job: _Job) -> None:
+        self.reasoning = ReasoningStream(job.reasoning) if job.reasoning is not None else None
+        tools = job.tools if job.tools is not None and job.tools.parses else None
+        self.tools = ToolCallStream(tools.parser, job.req.parallel_tool_calls, tool_call_id) if tools else None
+        self.sent_content = 0
+
+    def deltas(self, text: str, final: bool) -> list[dict]:
+        out = []
+        content = text
+        if self.reasoning is not None:
+            new, content = self.reasoning.update(text, final)
+            if new:
+                out.append({"reasoning_content": new})
+        if self.tools is not None:
+            return out + self.tools.update(content, final)
+        if len(content) > self.sent_content:
+            out.append({"content": content[self.sent_content:]})
+            self.sent_content = len(content)
+        return out
+
+    @property
+    def called(self) -> bool:
+        return self.tools is not None and self.tools.has_calls
+
+
 def _stream(job: _Job, streams, text_of: TokenText) -> AsyncIterator[str]:
-    """OpenAI's chat stream: a role delta first, content deltas, a closing chunk with finish_reason."""
+    """OpenAI's chat stream: a role delta first, then reasoning, content or tool-call deltas, a
+    closing chunk with finish_reason. Logprobs ride on the chunks of the tokens they belong to."""
     tracker = serving.DeltaTracker()
+    choices: dict[int, _ChoiceStream] = {}
 
     def chunks_for(_: int, out: RequestOutput):
         for c in out.outputs:
             delta = tracker.take(c.index, c)
-            if delta.text or delta.logprobs:
-                logprobs = _logprobs(delta.logprobs, text_of) if job.req.logprobs else None
-                yield _chunk(job, c.index, {"content": delta.text}, logprobs)
-            if delta.finish_reason is not None:
-                yield _chunk(job, c.index, {}, finish_reason=delta.finish_reason)
+            choice = choices.setdefault(c.index, _ChoiceStream(job))
+            final = delta.finish_reason is not None
+            parts = choice.deltas(c.text, final) if delta.text or final else []
+            logprobs = _logprobs(delta.logprobs, text_of) if job.req.logprobs and delta.logprobs else None
+            if logprobs is not None and not parts:
+                parts = [{"content": ""}]
+            for j, part in enumerate(parts):
+                yield _chunk(job, c.index, part, logprobs if j == 0 else None)
+            if final:
+                yield _chunk(job, c.index, {}, finish_reason="tool_calls" if choice.called else delta.finish_reason)
 
     def usage(final: list[RequestOutput]) -> dict:
         return {**_chunk(job, 0, {}), "choices": [], "usage": serving.output_usage(final)}

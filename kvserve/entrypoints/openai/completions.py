@@ -14,6 +14,7 @@ from kvserve.entrypoints.openai.errors import bad_request
 from kvserve.entrypoints.openai.models import resolve_model
 from kvserve.entrypoints.openai.protocol import CompletionRequest
 from kvserve.entrypoints.openai.serving import ServerState, TokenText
+from kvserve.entrypoints.openai.structured import requested_structure
 from kvserve.frontend.client import ModelInfo
 from kvserve.types import CompletionOutput, RequestOutput, TokenLogprob
 
@@ -39,7 +40,8 @@ async def create_completion(req: CompletionRequest, state: ServerState, request:
     longest = max(len(p) for p in prompts)
     max_tokens = serving.resolve_max_tokens(req.max_tokens, DEFAULT_MAX_TOKENS, longest, info.max_model_len, "prompt")
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-    params = serving.build_params(req, info, max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
+    params = serving.build_params(req, info, max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
+                                  structure=requested_structure(req))
     job = _Job(serving.new_id("cmpl"), model, int(time.time()), prompts, req)
     streams = serving.submit_all(state.client, job.request_id, prompts, params, request)
     text_of = state.token_text()

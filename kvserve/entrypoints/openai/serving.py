@@ -18,6 +18,7 @@ from fastapi import Request
 from kvserve.engine.core import RequestFailedError
 from kvserve.entrypoints.openai.errors import APIError, bad_request, error_body, from_value_error
 from kvserve.entrypoints.openai.protocol import SamplingRequest
+from kvserve.entrypoints.openai.structured import Requested, as_api_error, is_structure_error
 from kvserve.frontend.client import AsyncEngineClient, ModelInfo, RequestStream
 from kvserve.metrics.prometheus import PrometheusMetrics
 from kvserve.types import CompletionOutput, RequestOutput, SamplingParams, TokenLogprob
@@ -31,6 +32,8 @@ class ServerState:
     model_names: list[str]
     metrics: PrometheusMetrics
     created: int = field(default_factory=lambda: int(time.time()))
+    tool_call_parser: str | None = None  # None: chosen from the chat template (chat.py)
+    reasoning_parser: str | None = None
 
     _token_text: TokenText | None = None
     _tokenizer_thread: TokenizerThread | None = None
@@ -59,17 +62,22 @@ def new_id(prefix: str) -> str:
 
 
 def build_params(req: SamplingRequest, info: ModelInfo, max_tokens: int, logprobs: int | None = None,
-                 prompt_logprobs: int | None = None, renames: dict[str, str] | None = None) -> SamplingParams:
-    """SamplingParams from the request; any engine ValueError becomes a 400 naming the API field."""
+                 prompt_logprobs: int | None = None, renames: dict[str, str] | None = None,
+                 structure: Requested | None = None) -> SamplingParams:
+    """SamplingParams from the request; any engine ValueError becomes a 400 naming the API field
+    (``structure``: the request's structured-output constraint, compiled here by validate_params)."""
     try:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
             seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, n=req.n,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, logit_bias=_logit_bias(req.logit_bias),
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            structured_outputs=structure.spec if structure is not None else None)
         info.validate_params(params)
     except ValueError as e:
+        if structure is not None and is_structure_error(e):
+            raise as_api_error(e, structure.field) from None
         raise from_value_error(e, renames) from None
     return params
 
