@@ -34,9 +34,11 @@ _MAX_AMX_ROWS = 256
 # at 4 rows the int8 output head 1.26 / 5.01 ms and an int4 gate_up 0.065 / 0.300; at 16 rows 4.5 /
 # 5.9 and 0.25 / 0.35; at 32 rows 9.3 / 7.1 and 0.47 / 0.46).
 _MAX_FUSED_ROWS_WITHOUT_AMX = 16
-# AVX2 (no AVX-512): x of any dtype is multiplied in float32, by the fused kernel up to 8 rows, then
-# against float32 panels of W for every batch (csrc/quant_linear.cpp; before them, float32 tiles +
-# MKL's sgemm took over from ~40 rows). Zen 3, two threads, the default model's GGUF layers, float32
+# AVX2 (no AVX-512): up to 8 rows, x of any dtype is rounded to int8 per 32 inputs and multiplied
+# with W's integers (vpmaddubsw; the figures below are of the float fused kernel it replaced, which
+# dequantized every weight: the crossover was not measured again), then x in float32 against float32
+# panels of W for every batch (csrc/quant_linear.cpp; before them, float32 tiles + MKL's sgemm took
+# over from ~40 rows). Zen 3, two threads, the default model's GGUF layers, float32
 # x, fused / panels, ms: at 4 rows gate_up 0.27 / 0.36, down 0.13 / 0.18; at 8 rows 0.49 / 0.47 and
 # 0.24 / 0.26, the int8 output head 9.0 / 8.4; at 12 rows 0.72 / 0.69, 0.31 / 0.28, 12.6 / 11.0.
 _MAX_FUSED_ROWS_AVX2 = 8
