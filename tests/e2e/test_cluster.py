@@ -64,7 +64,7 @@ def test_metrics_and_health_cover_every_replica(cluster):
     assert [r["healthy"] for r in _replicas(cluster)] == [True, True]
     text = httpx.get(cluster.url("/metrics"), timeout=10).text
     for replica in ("0", "1"):
-        assert f'kvserve:num_requests_running{{replica="{replica}"}}' in text
+        assert f'kvserve:num_requests_running{{replica="{replica}",model_name=' in text
         assert f'kvserve:replica_up{{replica="{replica}"}} 1' in text
     assert text.count("# TYPE kvserve:num_requests_running gauge") == 1
 

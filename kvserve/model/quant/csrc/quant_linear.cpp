@@ -628,6 +628,296 @@ at::Tensor int8_fused(const QuantWeight& w, const at::Tensor& x) {
 }
 #endif
 
+// ---- int4 / int8 W x int8 x on AVX2 without VNNI: few rows of x, of any dtype ---------------------
+// The VNNI kernels' scheme in 256-bit integer SIMD: each row of x is quantized once per call to int8
+// with a step dx per 32-input chunk (amax / 127, round to nearest even); W's values multiply x's bytes
+// by vpmaddubsw (u8 x s8, adjacent pairs summed in int16: at most 2 * 15 * 127 for int4, 2 * 128 * 127
+// for int8, no saturation) and vpmaddwd against ones (int32 per 4 inputs); each int32 lane then gets
+// its float factor scale[group] * dx[chunk]. The zero points add sum_g zero[g] * xsum[g] (xsum: the
+// group's sum of dx * q), so y is exactly w . x_hat, as with VNNI. float32 x takes this path too: it
+// is the activation dtype of this CPU's default (dtype "auto"), and the float path (every weight
+// dequantized to float, then an FMA per row of x) held the bundled model's 4-bit decode at about a
+// third of its memory bound, compute-bound on two cores.
+#if defined(KVSERVE_AVX2)
+#define KVSERVE_AVX2_INT8_ACTIVATIONS 1
+namespace avx2q {
+
+// Rows of W per parallel task: a second thread's wake-up costs tens of microseconds that a small
+// matrix never earns back, so split only beyond ~256 KB of W per task.
+inline int64_t rows_per_task(int64_t row_bytes) { return std::max<int64_t>(16, (int64_t{1} << 18) / row_bytes); }
+
+// Rows of W ahead to prefetch: the bundled model's layers on a Zen 3, one thread, ran 1.2-1.9x as
+// fast with it as with the hardware prefetcher alone (the int8 output head 2.4 vs 4.5 ms).
+constexpr int64_t kPrefetchRows = 16;
+
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// The sums of a, b, c, d (lanes 0, 1, 2, 3).
+inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// One chunk (32 values) of x as int8 with step amax / 127: the 32 bytes in order, the step, and the
+// sums of the quantized values of its two halves (for the zero points' term).
+template <typename T>
+inline __m256i quantize_chunk(const T* x, float& step, int32_t& sum_lo, int32_t& sum_hi) {
+  __m256 v[4];
+  for (int i = 0; i < 4; ++i) v[i] = simd::load8(x + 8 * i);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                    _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  const float m = simd::hmax8(amax);
+  step = m / 127.f;
+  const __m256 inv = _mm256_set1_ps(m > 0.f ? 127.f / m : 0.f);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+  sum_lo = hsum_epi32(_mm256_add_epi32(q[0], q[1]));
+  sum_hi = hsum_epi32(_mm256_add_epi32(q[2], q[3]));
+  // packs interleave 128-bit lanes: 4-byte groups come out as q0[0-3] q1[0-3] q2[0-3] q3[0-3] q0[4-7] ...
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// Float scales then zeros of row n (row_params), zero-padded by 8 so that 8-lane windows may run past them.
+inline void padded_params(const QuantWeight& w, int64_t n, float* buf) {
+  row_params(w, n, buf);
+  std::fill(buf + 2 * w.groups(), buf + 2 * w.groups() + 8, 0.f);
+}
+
+// y[m * ldy + n + r] = the sums of acc[r][m] (+ the zero points' term), r < NR.
+template <typename T, int MB, int NR>
+inline void finish(const QuantWeight& w, __m256 (&acc)[NR][MB], const float* params, int64_t pstride,
+                   const float* xsum, int64_t gpad, int64_t n, T* y, int64_t ldy) {
+  const int64_t groups = w.groups();
+  if (w.zeros)
+    for (int64_t g = 0; g < gpad; g += 8)
+      for (int r = 0; r < NR; ++r) {
+        const __m256 z = _mm256_loadu_ps(params + r * pstride + groups + g);
+        for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fmadd_ps(z, _mm256_loadu_ps(xsum + m * gpad + g), acc[r][m]);
+      }
+  for (int m = 0; m < MB; ++m) {
+    if constexpr (NR == 4) {
+      alignas(16) float s[4];
+      _mm_store_ps(s, sum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
+      for (int r = 0; r < 4; ++r) y[m * ldy + n + r] = static_cast<T>(s[r]);
+    } else {
+      for (int r = 0; r < NR; ++r) y[m * ldy + n + r] = static_cast<T>(simd::hsum8(acc[r][m]));
+    }
+  }
+}
+
+// -- int4 W: blocks of 64 inputs (chunks 2b and 2b + 1). One 32-byte load of W holds both chunks'
+// low nibbles (inputs 0-15 of each) and high nibbles (16-31); x's bytes are stored in that order.
+struct alignas(32) X4Block {
+  int8_t lo[32], hi[32];  // inputs 0-15 / 16-31 of the two chunks, 16 bytes per chunk
+  float step[8];          // lane i: dx of chunk 2b + i / 4
+};
+
+struct alignas(32) Lanes4 {  // per block, the same for every row of W
+  int32_t lo[8], hi[8];      // lane i: group - g0 of the low / high half of chunk 2b + i / 4
+  int32_t g0;                // first group the block touches
+  bool two;                  // both chunks inside the row (the last block of a row of 32 * odd inputs has one)
+};
+
+template <typename T>
+void quantize_x4(const T* x, const QuantWeight& w, int64_t blocks, X4Block* out, float* xsum, int64_t gpad) {
+  std::memset(static_cast<void*>(out), 0, blocks * sizeof(X4Block));
+  std::fill(xsum, xsum + gpad, 0.f);
+  for (int64_t c = 0; c < w.k / 32; ++c) {
+    float step;
+    int32_t sum_lo, sum_hi;
+    const __m256i q = quantize_chunk(x + 32 * c, step, sum_lo, sum_hi);
+    X4Block& blk = out[c / 2];
+    const int j = static_cast<int>(c % 2);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(blk.lo + 16 * j), _mm256_castsi256_si128(q));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(blk.hi + 16 * j), _mm256_extracti128_si256(q, 1));
+    for (int i = 0; i < 4; ++i) blk.step[4 * j + i] = step;
+    xsum[32 * c / w.group] += step * sum_lo;
+    xsum[(32 * c + 16) / w.group] += step * sum_hi;
+  }
+}
+
+// Rows [n0, n1) of W (a multiple of NR of them) against MB rows of quantized x. SPLIT: groups that
+// split a chunk (16, 48, ...), so the two halves of a chunk are scaled apart.
+template <typename T, bool SPLIT, int MB, int NR>
+void int4_rows(const QuantWeight& w, const Lanes4* lanes, int64_t blocks, const X4Block* xq, const float* xsum,
+               int64_t gpad, int64_t n0, int64_t n1, float* params, T* y, int64_t ldy) {
+  const int64_t row_bytes = w.k / 2, pstride = 2 * w.groups() + 8;
+  const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; n += NR) {
+    for (int r = 0; r < NR; ++r) padded_params(w, n + r, params + r * pstride);
+    __m256 acc[NR][MB];
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const Lanes4& L = lanes[b];
+      const __m256i ilo = _mm256_load_si256(reinterpret_cast<const __m256i*>(L.lo));
+      for (int r = 0; r < NR; ++r) {
+        const uint8_t* wp = w.data + (n + r) * row_bytes + 32 * b;
+        _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetchRows * row_bytes), _MM_HINT_T0);
+        const __m256i wv = L.two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp))
+                                 : _mm256_set_m128i(_mm_setzero_si128(), _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
+        const __m256i wlo = _mm256_and_si256(wv, low4), whi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low4);
+        const __m256 win = _mm256_loadu_ps(params + r * pstride + L.g0);
+        const __m256 slo = _mm256_permutevar8x32_ps(win, ilo);
+        for (int m = 0; m < MB; ++m) {
+          const X4Block& q = xq[m * blocks + b];
+          const __m256 step = _mm256_load_ps(q.step);
+          const __m256i plo = _mm256_maddubs_epi16(wlo, _mm256_load_si256(reinterpret_cast<const __m256i*>(q.lo)));
+          const __m256i phi = _mm256_maddubs_epi16(whi, _mm256_load_si256(reinterpret_cast<const __m256i*>(q.hi)));
+          if constexpr (SPLIT) {
+            const __m256 shi = _mm256_permutevar8x32_ps(win, _mm256_load_si256(reinterpret_cast<const __m256i*>(L.hi)));
+            const __m256 dlo = _mm256_cvtepi32_ps(_mm256_madd_epi16(plo, ones));
+            const __m256 dhi = _mm256_cvtepi32_ps(_mm256_madd_epi16(phi, ones));
+            acc[r][m] = _mm256_fmadd_ps(_mm256_fmadd_ps(dhi, shi, _mm256_mul_ps(dlo, slo)), step, acc[r][m]);
+          } else {  // int16 sums of both halves: at most 4 * 15 * 127
+            const __m256 d = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(plo, phi), ones));
+            acc[r][m] = _mm256_fmadd_ps(d, _mm256_mul_ps(slo, step), acc[r][m]);
+          }
+        }
+      }
+    }
+    finish<T, MB, NR>(w, acc, params, pstride, xsum, gpad, n, y, ldy);
+  }
+}
+
+template <typename T, bool SPLIT>
+at::Tensor int4_linear(const QuantWeight& w, const at::Tensor& x) {
+  const int64_t m = x.size(0), chunks = w.k / 32, blocks = (chunks + 1) / 2, gpad = (w.groups() + 7) / 8 * 8;
+  std::vector<Lanes4> lanes(blocks);
+  for (int64_t b = 0; b < blocks; ++b) {
+    Lanes4& L = lanes[b];
+    L.g0 = static_cast<int32_t>(64 * b / w.group);
+    L.two = 2 * b + 1 < chunks;
+    for (int i = 0; i < 8; ++i) {
+      const int64_t c = std::min(2 * b + i / 4, chunks - 1);  // a missing chunk: x is zero there, any group will do
+      L.lo[i] = static_cast<int32_t>(32 * c / w.group - L.g0);
+      L.hi[i] = static_cast<int32_t>((32 * c + 16) / w.group - L.g0);
+    }
+  }
+  std::vector<X4Block> xq(m * blocks);
+  std::vector<float> xsum(m * gpad);
+  const T* xp = x.data_ptr<T>();
+  for (int64_t r = 0; r < m; ++r) quantize_x4(xp + r * w.k, w, blocks, xq.data() + r * blocks, xsum.data() + r * gpad, gpad);
+  at::Tensor y = at::empty({m, w.n}, x.options());
+  T* yp = y.data_ptr<T>();
+  parallel_for_dynamic(0, w.n, rows_per_task(w.row_bytes(4)), [&](int64_t n0, int64_t n1) {
+    thread_local std::vector<float> params;
+    params.resize(4 * (2 * w.groups() + 8));
+    for (int64_t m0 = 0; m0 < m; m0 += kFusedRows) {
+      const X4Block* xm = xq.data() + m0 * blocks;
+      const float* sm = xsum.data() + m0 * gpad;
+      T* ym = yp + m0 * w.n;
+      with_few_rows(std::min<int64_t>(kFusedRows, m - m0), [&](auto mb) {
+        constexpr int MB = decltype(mb)::value, NR = MB <= 2 ? 4 : 2;
+        const int64_t nr = n0 + (n1 - n0) / NR * NR;
+        int4_rows<T, SPLIT, MB, NR>(w, lanes.data(), blocks, xm, sm, gpad, n0, nr, params.data(), ym, w.n);
+        int4_rows<T, SPLIT, MB, 1>(w, lanes.data(), blocks, xm, sm, gpad, nr, n1, params.data(), ym, w.n);
+      });
+    }
+  });
+  return y;
+}
+
+// -- int8 W: chunks of 32 inputs, x's bytes in order. vpmaddubsw wants one unsigned operand: |w| times
+// x with w's sign (vpsignb), as the products are the same.
+template <typename T>
+void quantize_x8(const T* x, const QuantWeight& w, int8_t* q, float* step, float* xsum, int64_t gpad) {
+  std::fill(xsum, xsum + gpad, 0.f);
+  for (int64_t c = 0; c < w.k / 32; ++c) {
+    int32_t sum_lo, sum_hi;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * c), quantize_chunk(x + 32 * c, step[c], sum_lo, sum_hi));
+    xsum[32 * c / w.group] += step[c] * sum_lo;
+    xsum[(32 * c + 16) / w.group] += step[c] * sum_hi;
+  }
+}
+
+// SPLIT: groups that split a chunk (16, 48, ...): lane i of chunk c (inputs 32c + 4i ..) takes its own
+// group's scale from idx[c]; else one scale per chunk.
+// group_of[c]: the group of chunk c's first input (a division per chunk cost as much as its products).
+template <typename T, bool SPLIT, int MB, int NR>
+void int8_rows(const QuantWeight& w, const int32_t* group_of, const int32_t* idx, const int8_t* xq, const float* xstep,
+               const float* xsum, int64_t gpad, int64_t n0, int64_t n1, float* params, T* y, int64_t ldy) {
+  const int64_t chunks = w.k / 32, pstride = 2 * w.groups() + 8;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; n += NR) {
+    for (int r = 0; r < NR; ++r) padded_params(w, n + r, params + r * pstride);
+    __m256 acc[NR][MB];
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t g = group_of[c];
+      for (int r = 0; r < NR; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(w.data + (n + r + kPrefetchRows) * w.k + 32 * c), _MM_HINT_T0);
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.data + (n + r) * w.k + 32 * c));
+        const __m256i wabs = _mm256_sign_epi8(wv, wv);
+        const float* pr = params + r * pstride;
+        const __m256 s = SPLIT ? _mm256_permutevar8x32_ps(_mm256_loadu_ps(pr + g),
+                                                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx + 8 * c)))
+                               : _mm256_set1_ps(pr[g]);
+        for (int m = 0; m < MB; ++m) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * w.k + 32 * c));
+          const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, wv)), ones);
+          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(s, _mm256_set1_ps(xstep[m * chunks + c])), acc[r][m]);
+        }
+      }
+    }
+    finish<T, MB, NR>(w, acc, params, pstride, xsum, gpad, n, y, ldy);
+  }
+}
+
+template <typename T, bool SPLIT>
+at::Tensor int8_linear(const QuantWeight& w, const at::Tensor& x) {
+  const int64_t m = x.size(0), chunks = w.k / 32, gpad = (w.groups() + 7) / 8 * 8;
+  std::vector<int32_t> group_of(chunks), idx(SPLIT ? 8 * chunks : 0);
+  for (int64_t c = 0; c < chunks; ++c) group_of[c] = static_cast<int32_t>(32 * c / w.group);
+  for (int64_t c = 0; SPLIT && c < chunks; ++c)
+    for (int i = 0; i < 8; ++i) idx[8 * c + i] = static_cast<int32_t>((32 * c + 4 * i) / w.group - 32 * c / w.group);
+  std::vector<int8_t> xq(m * w.k);
+  std::vector<float> xstep(m * chunks), xsum(m * gpad);
+  const T* xp = x.data_ptr<T>();
+  for (int64_t r = 0; r < m; ++r)
+    quantize_x8(xp + r * w.k, w, xq.data() + r * w.k, xstep.data() + r * chunks, xsum.data() + r * gpad, gpad);
+  at::Tensor y = at::empty({m, w.n}, x.options());
+  T* yp = y.data_ptr<T>();
+  parallel_for_dynamic(0, w.n, rows_per_task(w.row_bytes(8)), [&](int64_t n0, int64_t n1) {
+    thread_local std::vector<float> params;
+    params.resize(4 * (2 * w.groups() + 8));
+    for (int64_t m0 = 0; m0 < m; m0 += kFusedRows) {
+      const int8_t* xm = xq.data() + m0 * w.k;
+      const float* st = xstep.data() + m0 * chunks;
+      const float* sm = xsum.data() + m0 * gpad;
+      T* ym = yp + m0 * w.n;
+      with_few_rows(std::min<int64_t>(kFusedRows, m - m0), [&](auto mb) {
+        constexpr int MB = decltype(mb)::value, NR = 2;  // 2 rows of W: 1.2-1.9x 4 rows for the output head
+        const int64_t nr = n0 + (n1 - n0) / NR * NR;
+        int8_rows<T, SPLIT, MB, NR>(w, group_of.data(), idx.data(), xm, st, sm, gpad, n0, nr, params.data(), ym, w.n);
+        int8_rows<T, SPLIT, MB, 1>(w, group_of.data(), idx.data(), xm, st, sm, gpad, nr, n1, params.data(), ym, w.n);
+      });
+    }
+  });
+  return y;
+}
+
+template <typename T>
+at::Tensor linear(const QuantWeight& w, const at::Tensor& x, int64_t bits) {
+  const bool split = w.group % 32 != 0;
+  if (bits == 4) return split ? int4_linear<T, true>(w, x) : int4_linear<T, false>(w, x);
+  return split ? int8_linear<T, true>(w, x) : int8_linear<T, false>(w, x);
+}
+
+// This path serves W and x: int4 or int8 W in whole chunks of 32 inputs, groups of 16 or more.
+inline bool serves(const QuantWeight& w) { return w.k % 32 == 0 && w.group % 16 == 0; }
+
+}  // namespace avx2q
+#endif
+
 // ---- dequantize rows [n0, n1) of W into out (row-major [n1 - n0, K]) -------------------------------
 #if defined(__AVX512F__)
 inline void store16(float* dst, __m512 v) { _mm512_storeu_ps(dst, v); }
@@ -966,6 +1256,16 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
     if (bits == 8 && !w.factors && w.k % 32 == 0 && x.scalar_type() == at::kBFloat16) return int8_fused<c10::BFloat16>(w, x);
     if (bits == 8 && !w.factors && w.k % 32 == 0 && x.scalar_type() == at::kHalf) return int8_fused<c10::Half>(w, x);
 #endif
+#if defined(KVSERVE_AVX2_INT8_ACTIVATIONS)
+    if (avx2q::serves(w)) {
+      switch (x.scalar_type()) {
+        case at::kFloat: return avx2q::linear<float>(w, x, bits);
+        case at::kBFloat16: return avx2q::linear<c10::BFloat16>(w, x, bits);
+        case at::kHalf: return avx2q::linear<c10::Half>(w, x, bits);
+        default: break;
+      }
+    }
+#endif
     return bits == 4 ? fused<4>(w, x) : fused<8>(w, x);
   }
 #if defined(KVSERVE_AMX)
@@ -1040,7 +1340,7 @@ int64_t vector_bits() {
 }
 
 bool has_int8_activations() {
-#if defined(KVSERVE_VNNI)
+#if defined(KVSERVE_VNNI) || defined(KVSERVE_AVX2_INT8_ACTIVATIONS)
   return true;
 #else
   return false;
