@@ -11,12 +11,6 @@ dequantized) over seeded token-id prompts, greedy, EOS ignored:
   shared machine the bandwidth moves by a third from minute to minute, and a bound measured once,
   in another minute, gave fractions of 51-81% for the same code. The round of median fraction is
   reported;
-* as shipped (``--native``, on by default): the same single stream with the checkpoint's own
-  quantization and dtype "auto", the engine's defaults (a GGUF file's int4 / int8 blocks kept),
-  alternating round by round with the dense one, against its own bound: the bytes of the weights
-  as loaded (scaled by the share of the dense weights a decode step reads: all of them for a tied
-  head) plus the KV. The report gives its fraction of that bound and its speed over the dense
-  single stream;
 * batched: ``--batch-sizes`` requests at once; output tokens/s, and the FLOP/s achieved (prefill
   and decode FLOPs of the whole run over its wall time) against the matmul peak: the best rate of
   a few matmul shapes (``planner.hardware``), since one square size can understate it by half.
@@ -27,7 +21,6 @@ dequantized) over seeded token-id prompts, greedy, EOS ignored:
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from contextlib import contextmanager
@@ -170,32 +163,16 @@ def run_single_stream(llm, setup: Setup, prompt_len: int, output_len: int, seed:
                         memory_bound_tokens_per_s(setup, mid_context), setup.hardware.bandwidth)
 
 
-def run_single_rounds(llm, setup: Setup, args, device: str, native=None) -> tuple[list[SingleStream], list[SingleStream]]:
+def run_single_rounds(llm, setup: Setup, args, device: str) -> list[SingleStream]:
     """``args.single_rounds`` single streams, each against the mean of the copy bandwidth measured
-    just before and just after it; with ``native`` (an engine and its bytes per step), each round
-    also runs that engine's single stream, right after the dense one and before the second copy,
-    so that both meet the same minute of a shared machine."""
-    rounds, native_rounds = [], []
+    just before and just after it."""
+    rounds = []
     for _ in range(args.single_rounds):
         before = measure_bandwidth(args.copy_mib, args.measure_seconds / 2, device)
         single = run_single_stream(llm, setup, args.prompt_len, args.single_output_len, args.seed)
-        other = None if native is None else run_single_stream(native[0], setup, args.prompt_len,
-                                                              args.single_output_len, args.seed)
         after = measure_bandwidth(args.copy_mib, args.measure_seconds / 2, device)
-        bandwidth = (before + after) / 2
-        rounds.append(single.at_bandwidth(bandwidth))
-        if other is not None:
-            native_rounds.append(replace(other, bytes_per_step=native[1](single)).at_bandwidth(bandwidth))
-    return rounds, native_rounds
-
-
-def native_bytes_per_step(setup: Setup, loaded_weight_bytes: int, single: SingleStream) -> float:
-    """A decode step's bytes for the checkpoint as loaded (quantized or not): its weight bytes, scaled by
-    the share of the dense weights a step reads (1 for a tied head; an untied input table is read a
-    row at a time), plus the same KV as the dense step (the KV cache dtype is the same)."""
-    dense_weights = weight_bytes_read(setup, 1)
-    share = dense_weights / setup.weights.total if setup.weights.total else 1.0
-    return loaded_weight_bytes * share + single.bytes_per_step - dense_weights
+        rounds.append(single.at_bandwidth((before + after) / 2))
+    return rounds
 
 
 def median_round(rounds: list[SingleStream]) -> SingleStream:
@@ -246,20 +223,9 @@ def run(args) -> int:
     setup = model_setup(llm.engine.core.model_path, hardware, args.dtype, llm.engine.core.kv_info.block_size,
                         args.kv_cache_dtype)
     llm.generate(*_requests(llm, 1, 16, 4, args.seed), use_tqdm=False)  # warm-up: kernels, allocator
-    native = None
-    if args.native:  # the engine's defaults: the checkpoint's own quantization, dtype "auto"
-        shipped = LLM(model=args.model, device=device, enforce_eager=args.enforce_eager, enable_prefix_caching=False,
-                      block_size=_BLOCK_SIZE, kv_cache_dtype=args.kv_cache_dtype,
-                      num_kv_blocks=kv_blocks_for(1, args.prompt_len + args.single_output_len))
-        shipped.generate(*_requests(shipped, 1, 16, 4, args.seed), use_tqdm=False)
-        loaded = shipped.engine.core.memory.weight_bytes
-        native = (shipped, lambda single: native_bytes_per_step(setup, loaded, single))
-    rounds, native_rounds = run_single_rounds(llm, setup, args, device.split(":")[0], native)
-    shipped_info = None if native is None else (native[0].engine.core.config.dtype,
-                                                native[0].engine.core.memory.quantization)
-    native = None  # frees the second engine before the batched runs
+    rounds = run_single_rounds(llm, setup, args, device.split(":")[0])
     batched = [run_batched(llm, setup, b, args.prompt_len, args.output_len, args.seed) for b in batch_sizes]
-    report(setup, threads.num_threads, rounds, batched, args.json, native_rounds, shipped_info)
+    report(setup, threads.num_threads, rounds, batched, args.json)
     return 0
 
 
@@ -267,23 +233,10 @@ def _single_json(single: SingleStream) -> dict:
     return {**asdict(single), "fraction": single.fraction, "effective_bandwidth": single.effective_bandwidth}
 
 
-def native_summary(rounds: list[SingleStream], native_rounds: list[SingleStream]) -> dict:
-    """The as-shipped single stream: its median round, and its decode speed over the dense one's
-    (the median of the per-round ratios: each pair ran in the same minute)."""
-    ratios = sorted(n.decode_tokens_per_s / d.decode_tokens_per_s for d, n in zip(rounds, native_rounds))
-    return {"single_stream": median_round(native_rounds), "speedup_over_dense": ratios[(len(ratios) - 1) // 2]}
-
-
-def report(setup: Setup, threads: int, rounds: list[SingleStream], batched: list[Batched], as_json: bool,
-           native_rounds: list[SingleStream] = (), shipped: tuple[str, str] | None = None) -> None:
+def report(setup: Setup, threads: int, rounds: list[SingleStream], batched: list[Batched], as_json: bool) -> None:
     hw, best, single = setup.hardware, max(batched, key=lambda b: b.output_tokens_per_s), median_round(rounds)
     context = single.prompt_len + single.output_len // 2
-    native = native_summary(rounds, native_rounds) if native_rounds else None
     if as_json:
-        shipped_json = None if native is None else {
-            "dtype": shipped[0], "quantization": shipped[1], "single_stream": _single_json(native["single_stream"]),
-            "single_stream_rounds": [_single_json(r) for r in native_rounds],
-            "speedup_over_dense": native["speedup_over_dense"]}
         print(json.dumps({
             "machine": {"name": hw.name, "bandwidth": hw.bandwidth, "matmul_flops": hw.peak_flops(setup.dtype)},
             "model": setup.model.name, "dtype": setup.dtype, "kv_cache_dtype": setup.kv_cache_dtype,
@@ -293,7 +246,7 @@ def report(setup: Setup, threads: int, rounds: list[SingleStream], batched: list
             "single_stream_rounds": [_single_json(r) for r in rounds],
             "batched": [{**asdict(b), "flops_fraction": b.flops_fraction, "of_ceiling": b.of_ceiling}
                         for b in batched],
-            "best_batch_size": best.batch_size, "as_shipped": shipped_json}, indent=2))
+            "best_batch_size": best.batch_size}, indent=2))
         return
     print(f"machine: {hw.name}: copy bandwidth {hw.bandwidth / 1e9:.1f} GB/s, "
           f"{setup.dtype} matmul {hw.peak_flops(setup.dtype) / 1e12:.2f} TFLOP/s; engine threads {threads}")
@@ -307,15 +260,6 @@ def report(setup: Setup, threads: int, rounds: list[SingleStream], batched: list
           f"{single.bound_tokens_per_s:.1f} tok/s ({single.bytes_per_step / 1e6:.1f} MB per step at "
           f"{single.bandwidth / 1e9:.1f} GB/s): {100 * single.fraction:.0f}% of the bound "
           f"(reads {single.effective_bandwidth / 1e9:.1f} GB/s)")
-    if native is not None:
-        for i, r in enumerate(native_rounds):
-            print(f"as shipped, round {i + 1}: {r.decode_tokens_per_s:.1f} tok/s, memory bound "
-                  f"{r.bound_tokens_per_s:.1f} tok/s: {100 * r.fraction:.0f}%")
-        n = native["single_stream"]
-        print(f"as shipped ({shipped[0]}, {shipped[1]}; median round): {n.decode_tokens_per_s:.1f} tok/s; memory "
-              f"bound {n.bound_tokens_per_s:.1f} tok/s ({n.bytes_per_step / 1e6:.1f} MB per step): "
-              f"{100 * n.fraction:.0f}% of the bound, {native['speedup_over_dense']:.2f}x the {setup.dtype} "
-              f"single stream (median of the rounds' ratios)")
     print(f"{'batch':>5} {'out tok/s':>9} {'decode bound':>12} {'achieved TFLOP/s':>16} {'of matmul peak':>14} "
           f"{'roofline allows':>15} {'of that':>7}")
     for b in batched:
@@ -345,8 +289,5 @@ def add_parser(bench_sub) -> None:
     p.add_argument("--copy-mib", type=int, default=256, help="size of the bandwidth test's copy")
     p.add_argument("--measure-seconds", type=float, default=1.0, help="time per machine measurement")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--native", action=argparse.BooleanOptionalAction, default=True,
-                   help="also the single stream as shipped: the checkpoint's own quantization (a GGUF file's "
-                        "blocks), dtype auto, alternating with the dense rounds, against its own bound")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)

@@ -25,8 +25,6 @@ from kvserve.bench.roofline import (
     flops_per_token,
     median_round,
     memory_bound_tokens_per_s,
-    native_bytes_per_step,
-    native_summary,
     request_flops,
     run_roofline_seconds,
 )
@@ -108,27 +106,6 @@ def test_the_median_round_is_reported():
     assert median_round(rounds).decode_tokens_per_s == 12.0  # the lower middle of four
     assert median_round(rounds[:3]).decode_tokens_per_s == 15.0
     assert median_round(rounds[:1]).decode_tokens_per_s == 15.0
-
-
-def test_the_shipped_model_is_priced_by_its_loaded_bytes(setup):
-    # tied head: every loaded byte is read each step (the share is 1), plus the dense step's KV
-    single = SingleStream(128, 256, 50.0, bytes_per_decode_step(setup, 1, 256), 0.0)
-    assert native_bytes_per_step(setup, 98_000_000, single) == pytest.approx(98_000_000 + 256 * KV_PER_TOKEN)
-    # an untied input table is read a row at a time: its share of the loaded bytes is left out
-    untied = replace(setup, model=replace(setup.model, tie_word_embeddings=False))
-    dense = bytes_per_decode_step(untied, 1, 256)
-    share = (dense - 256 * KV_PER_TOKEN) / untied.weights.total
-    assert share < 0.9
-    got = native_bytes_per_step(untied, 98_000_000, SingleStream(128, 256, 50.0, dense, 0.0))
-    assert got == pytest.approx(98_000_000 * share + 256 * KV_PER_TOKEN)
-
-
-def test_the_shipped_speedup_is_the_median_of_paired_rounds():
-    dense = [SingleStream(128, 256, rate, 2.7e8, 0.0).at_bandwidth(5.4e9) for rate in (20.0, 10.0, 16.0)]
-    native = [SingleStream(128, 256, rate, 1e8, 0.0).at_bandwidth(5.4e9) for rate in (30.0, 25.0, 48.0)]
-    summary = native_summary(dense, native)
-    assert summary["speedup_over_dense"] == pytest.approx(2.5)  # of 1.5, 2.5, 3.0
-    assert summary["single_stream"].decode_tokens_per_s == 30.0  # median fraction of its own bound
 
 
 def test_run_roofline_is_batched_prefill_then_decode_steps(setup):

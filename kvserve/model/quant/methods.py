@@ -32,9 +32,9 @@ _MAX_AMX_ROWS = 256
 # Without AMX, bf16 rows past the fused kernel go to the dequantized tiles + at::mm, which the fused
 # kernel beats up to 16-24 rows on the default model's GGUF layers (4x at 4 rows, even by 32).
 _MAX_FUSED_ROWS_WITHOUT_AMX = 16
-# AVX2 (no AVX-512): up to 8 rows, x of any dtype is rounded to int8 per 32 inputs and multiplied
-# with W's integers (vpmaddubsw, csrc/quant_linear.cpp); beyond, against float32 panels of W. The
-# crossover was measured for the float fused kernel this replaced, not yet for the integer one.
+# AVX2 (no AVX-512): x of any dtype is multiplied in float32, by the fused kernel up to 8 rows, then
+# against float32 panels of W for every batch (csrc/quant_linear.cpp): on the default model's GGUF
+# layers the panels overtake the fused kernel at about 8 rows.
 _MAX_FUSED_ROWS_AVX2 = 8
 _MAX_PANEL_ROWS_AVX2 = 1 << 62
 # Dense bf16 W on a CPU with AVX512-BF16: W is kept only in the AMX tile layout
