@@ -6,7 +6,6 @@ Used by the benchmarks that compare server settings and by the end-to-end tests.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from kvserve.entrypoints.cluster.launch import free_port, wait_for_health
+from kvserve.entrypoints.cluster.launch import free_port, terminate, wait_for_health
 
 
 class ServerProcess:
@@ -68,13 +67,7 @@ class ServerProcess:
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM (graceful shutdown), then wait; returns the exit code. The log file is removed
         (its tail stays readable through ``log_text``), so that runs leave nothing in the temp folder."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, timeout)
         if self._final_log is None:
             self._final_log = self.log_text()
             self.log.close()

@@ -57,6 +57,18 @@ def start_server(args: list[str], host: str = "127.0.0.1", log=None,
     return proc, f"http://{host}:{port}"
 
 
+def terminate(proc: subprocess.Popen, timeout: float) -> int:
+    """SIGTERM (a server's graceful shutdown), SIGKILL after ``timeout`` seconds; the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 def _term_with_parent() -> None:
     import ctypes
 

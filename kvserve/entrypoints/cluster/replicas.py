@@ -8,13 +8,11 @@ every replica over HTTP the same way, wherever it runs. Ray is an optional extra
 
 from __future__ import annotations
 
-import signal
-import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvserve.entrypoints.cluster.launch import start_server, wait_for_health
+from kvserve.entrypoints.cluster.launch import start_server, terminate, wait_for_health
 
 BACKENDS = ("mp", "ray")
 STARTUP_TIMEOUT_S = 600.0  # a first start may compile the C++ kernels
@@ -45,13 +43,7 @@ class ProcessReplica:
         self.proc.kill()
 
     def stop(self, timeout: float = 30.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, timeout)
         self.log.close()
         Path(self.log.name).unlink(missing_ok=True)
 

@@ -36,19 +36,6 @@ class GemmaAttention(Attention):
             self.scale = cfg.query_pre_attn_scalar**-0.5
         self.softcap = cfg.attn_logit_softcap
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.use_rope:
-            rotary(positions, q, k)
-        out = backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap)
-        return self.o_proj(out.reshape(out.shape[0], -1))
-
 
 class GeGLU(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:

@@ -32,6 +32,7 @@ class Attention(torch.nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
+        self.softcap: float | None = None  # Gemma 2 caps the attention scores (gemma2.py)
         self.splits = (q, kv, kv)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, kv_cache: torch.Tensor,
@@ -44,7 +45,7 @@ class Attention(torch.nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             rotary(positions, q, k)
-        out = backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window)
+        out = backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
 
