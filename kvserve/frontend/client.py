@@ -344,7 +344,7 @@ class AsyncEngineClient:
             while self._handle_commands(engine, block=not engine.has_unfinished()):
                 if engine.has_unfinished():
                     outputs = engine.step(delta=True)
-                    self._publish(engine, outputs)
+                    self._publish(engine, outputs, stepped=True)
                     failed = engine.take_failed()
                     if failed:
                         self._record_failures(failed)
@@ -447,13 +447,17 @@ class AsyncEngineClient:
         self._publish(engine)
         self._to_loop(self._deliver_error, None, EngineDeadError("the server is shutting down"))
 
-    def _publish(self, engine: LLMEngine, outputs: list[RequestOutput] | None = None) -> None:
+    def _publish(self, engine: LLMEngine, outputs: list[RequestOutput] | None = None, stepped: bool = False) -> None:
         with_map = False
         if self.watchers > 0:
-            # an idle engine publishes no more until new work comes: its last map must be current
+            # An idle engine publishes no more until new work comes, so its last map must be current;
+            # under work a map is due every BLOCK_MAP_PERIOD_S, taken after a step (when blocks are
+            # held), and idle maps do not count: a load of requests shorter than the period would
+            # otherwise only ever show maps taken between them.
+            idle = not engine.has_unfinished()
             now = time.perf_counter()
-            with_map = now - self._block_map_at >= BLOCK_MAP_PERIOD_S or not engine.has_unfinished()
-            if with_map:
+            with_map = idle or (stepped and now - self._block_map_at >= BLOCK_MAP_PERIOD_S)
+            if with_map and not idle:
                 self._block_map_at = now
         snapshot = engine.core.stats(with_block_map=with_map)
         if not with_map and self.watchers > 0 and self._published[0].block_map is not None:

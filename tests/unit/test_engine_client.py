@@ -14,6 +14,8 @@ from kvserve.entrypoints.llm import engine_config
 from kvserve.entrypoints.openai.app import ServerOptions, build_app
 from kvserve.frontend.client import AddRequest, AsyncEngineClient, EngineDeadError, EngineNotReadyError, QueueFullError
 from kvserve.frontend.llm_engine import LLMEngine
+from kvserve.metrics.stats import StatsCollector
+from kvserve.metrics.totals import Totals
 
 OPTIONS = {"dtype": "float32", "block_size": 8, "num_kv_blocks": 64, "max_num_seqs": 4,
            "max_num_batched_tokens": 256, "seed": 0, "max_model_len": None, "kv_cache_memory_bytes": 1 << 30,
@@ -300,3 +302,43 @@ def test_the_middleware_counts_a_request_until_it_is_handed_over_or_answered():
     asyncio.run(run(refused, "/v1/chat/completions"))
     asyncio.run(run(refused, "/v1/models", method="GET"))  # not a generation request: not counted
     assert seen == [1, 0, 1, 0] and incoming.count == 0
+
+
+class _Maps(Totals):
+    """The dashboard's totals, also keeping each published block map's in-use count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_use: list[int] = []
+
+    def set_snapshot(self, snapshot, new_preemptions: int) -> None:
+        super().set_snapshot(snapshot, new_preemptions)
+        if snapshot.block_map is not None:
+            self.in_use.append(snapshot.block_map.counts["in_use"])
+
+
+def test_a_watched_engine_shows_held_blocks_under_requests_shorter_than_the_map_period(tiny_llama, monkeypatch):
+    # Back-to-back batches that each end well inside one map period: the maps published while they
+    # run must still show their blocks, not only the idle maps taken between batches.
+    monkeypatch.setattr("kvserve.frontend.client.BLOCK_MAP_PERIOD_S", 0.5)
+    maps = _Maps()
+
+    async def main():
+        client = AsyncEngineClient(_config(tiny_llama), stats=StatsCollector(maps))
+        client.start()
+        await client.wait_ready()
+        client.watch()
+        short = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        deadline = asyncio.get_running_loop().time() + 2.0
+        batches = 0
+        while asyncio.get_running_loop().time() < deadline:
+            await asyncio.gather(*(client.submit(f"b{batches}-{i}", [5 + i, 6, 7], short).result() for i in range(3)))
+            batches += 1
+        client.unwatch()
+        client.shutdown()
+        return batches
+
+    batches = _run(main())
+    assert batches >= 4, "each batch should end well inside the map period"
+    assert max(maps.in_use) > 0
+    assert maps.in_use[-1] == 0  # the last map, idle, is current
