@@ -1,7 +1,11 @@
-"""Prefix-aware against round-robin routing over two real replicas: multi-turn chats with shared prefixes.
+"""Prefix-aware against round-robin routing over two real replicas: multi-turn chats about documents.
 
-Each conversation starts from one of two long system prompts and resends its whole history every
-turn, as chat clients do. The conversations run side by side, turn by turn; the script reports each
+Each conversation pastes its own document (a slice of tests/data/alice29.txt, ~1,500 tokens) under
+one short shared system prompt, then asks follow-up questions, resending the whole history every
+turn as chat clients do. The conversations run side by side, turn by turn, sent in a seeded random
+order each turn (in a fixed order round-robin would pin each conversation to one replica). Each
+replica's KV pool holds about half the conversations' histories, as a loaded server's does: where
+a conversation's history is cached decides whether its next turn is a hit. The script reports each
 router's prefix-cache hit rate (summed over the replicas' /metrics) and the time to first token.
 
     .venv/bin/python benchmarks/router_prefix.py --conversations 8 --turns 6 [--json OUT]
@@ -12,21 +16,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import time
+from pathlib import Path
 
 import httpx
 
 from kvserve.bench.launch import ServerProcess
 
-SYSTEMS = [
-    "You are a careful travel assistant. You answer in short paragraphs, you name concrete places, you give "
-    "opening hours when you know them, and you always mention one thing to avoid. " * 4,
-    "You are a patient programming tutor. You explain with small examples, you point out the common mistake "
-    "first, and you finish every answer with a one-line summary of the rule. " * 4,
-]
-QUESTIONS = ["Where should I start?", "What comes next?", "Why is that?", "Give me an example.",
-             "What is the most common mistake?", "Summarise it for me.", "And after that?", "Anything else?"]
+SYSTEM = "You are a careful reading assistant. Answer questions about the user's document in two sentences."
+DOCUMENT = Path(__file__).resolve().parent.parent / "tests" / "data" / "alice29.txt"
+DOC_CHARS = 6000
+QUESTIONS = ["Who is in this passage?", "What happens next?", "Why is that?", "Quote one line.",
+             "What is the most surprising part?", "Summarise it for me.", "And after that?", "Anything else?"]
+KV_BLOCKS = 560  # x 16 tokens per replica: about half of 8 conversations' final histories
 
 
 async def _turn(client: httpx.AsyncClient, url: str, history: list[dict]) -> tuple[float, str]:
@@ -46,15 +50,23 @@ async def _turn(client: httpx.AsyncClient, url: str, history: list[dict]) -> tup
 
 
 async def _workload(url: str, conversations: int, turns: int) -> list[float]:
-    histories = [[{"role": "system", "content": SYSTEMS[c % len(SYSTEMS)] + f" (conversation {c})"}]
+    text = DOCUMENT.read_text(encoding="utf-8")
+    histories = [[{"role": "system", "content": SYSTEM},
+                  {"role": "user", "content": "Here is my document:\n" + text[c * DOC_CHARS:(c + 1) * DOC_CHARS]}]
                  for c in range(conversations)]
     ttfts = []
+    rng = random.Random(0)
     async with httpx.AsyncClient(timeout=600) as client:
         for t in range(turns):
             for h in histories:
-                h.append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]})
-            results = await asyncio.gather(*(_turn(client, url, h) for h in histories))
-            for h, (ttft, text) in zip(histories, results):
+                question = QUESTIONS[t % len(QUESTIONS)]
+                if h[-1]["role"] == "user":  # the first turn: the question follows the document
+                    h[-1] = {"role": "user", "content": h[-1]["content"] + "\n\n" + question}
+                else:
+                    h.append({"role": "user", "content": question})
+            order = rng.sample(histories, len(histories))
+            results = await asyncio.gather(*(_turn(client, url, h) for h in order))
+            for h, (ttft, text) in zip(order, results):
                 h.append({"role": "assistant", "content": text})
                 ttfts.append(ttft)
     return ttfts
@@ -66,7 +78,7 @@ def _sum_metric(text: str, name: str) -> float:
 
 def run(router: str, conversations: int, turns: int, backend: str) -> dict:
     args = ["--data-parallel-size", "2", "--router", router, "--distributed-backend", backend,
-            "--kv-cache-memory", "0.25"]
+            "--num-kv-blocks", str(KV_BLOCKS), "--block-size", "16", "--num-threads", "1"]  # a core each
     with ServerProcess(args, startup_timeout=900) as server:
         ttfts = asyncio.run(_workload(server.base_url, conversations, turns))
         text = httpx.get(server.url("/metrics"), timeout=10).text

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 
 def add_parser(sub) -> None:
-    from kvserve.bench import offline, prefix, roofline, serving, soak, spec
+    from kvserve.bench import cluster, offline, prefix, roofline, serving, soak, spec
 
-    p = sub.add_parser("bench", help="benchmarks: offline, serve, prefix, spec, roofline, soak")
+    p = sub.add_parser("bench", help="benchmarks: offline, serve, prefix, spec, roofline, soak, cluster")
     bench_sub = p.add_subparsers(dest="bench_command", required=True)
-    for module in (offline, serving, prefix, spec, roofline, soak):
+    for module in (offline, serving, prefix, spec, roofline, soak, cluster):
         module.add_parser(bench_sub)

@@ -119,3 +119,29 @@ def prefill_batch(setup: Setup, users: int, prompt_tokens: int) -> Roofline:
     tokens = users * max(prompt_tokens, 1)
     nbytes = weight_bytes_read(setup, tokens) + tokens * kv_bytes_per_token_of(setup)
     return _roofline(setup, users * one.flops, nbytes)
+
+
+def attended_keys(start: int, tokens: int, window: int | None) -> float:
+    """Keys attended, summed over a chunk of ``tokens`` prompt tokens after ``start`` cached ones:
+    token i (from 1) attends to i keys, at most ``window``."""
+    lo, hi = start + 1, start + tokens
+    if window is None or hi <= window:
+        return (lo + hi) * tokens / 2
+    below = max(0, window - lo + 1)  # the chunk's tokens that attend to fewer than ``window`` keys
+    return (2 * lo + below - 1) * below / 2 + (tokens - below) * window
+
+
+def mixed_step(setup: Setup, decode_contexts: list[int], prefill_chunks: list[tuple[int, int]]) -> Roofline:
+    """One continuous-batching step: a token for each sequence in ``decode_contexts`` (its context),
+    and for each ``(start, tokens)`` of ``prefill_chunks`` a prompt chunk after ``start`` tokens already
+    cached (a prefix hit or earlier chunks). Weights are read once for the whole step."""
+    head = setup.inventory.lm_head.rows * setup.inventory.lm_head.cols
+    tokens = len(decode_contexts) + sum(n for _, n in prefill_chunks)
+    window = setup.model.sliding_window
+    flops = 2 * tokens * _matmul_params_per_token(setup) + 2 * head * (len(decode_contexts) + len(prefill_chunks))
+    flops += sum(attention_flops(setup, c, _window(setup, c)) for c in decode_contexts)
+    flops += sum(attention_flops(setup, attended_keys(s, n, None), attended_keys(s, n, window))
+                 for s, n in prefill_chunks)
+    nbytes = (weight_bytes_read(setup, tokens) + sum(kv_bytes_per_user(setup, c) for c in decode_contexts)
+              + sum(s + n for s, n in prefill_chunks) * kv_bytes_per_token_of(setup))
+    return _roofline(setup, flops, nbytes)
