@@ -92,7 +92,8 @@ class EngineCore:
         if device.type == "cpu":
             keep_freed_memory()  # large per-step tensors reuse heap memory: see runtime/allocator.py
         model, self.model_config = load_model(self.model_path, config.torch_dtype, device,
-                                              config.quant.quantization, config.quant.group_size)
+                                              config.quant.quantization, config.quant.group_size,
+                                              config.scheduler.max_model_len)
         self.kv_info = size_kv_cache(config, self.model_config)
         self.memory = MemoryReport.of(model, self.kv_info, config)
         log.info("memory: %s", self.memory.summary())

@@ -1,4 +1,11 @@
-"""Rotary position embeddings (RoPE) with a precomputed cos/sin table indexed by position."""
+"""Rotary position embeddings (RoPE) with a precomputed cos/sin table indexed by position.
+
+Partial rotary (``rotary_fraction`` < 1, Phi-4-mini) rotates only the first R of a head's D dims,
+pairing dim i with i + R/2. The kernels pair i with i + D/2 over the whole head, so q and k rows are
+reordered at load time (``partial_rotary_order``) to put the rotating pairs at (i, i + D/2) for
+i < R/2; the remaining pairs get cos 1, sin 0 and pass through unchanged. q and k share the order,
+so their dot products, and so attention, are those of the checkpoint.
+"""
 
 from __future__ import annotations
 
@@ -10,16 +17,50 @@ from kvserve.config import RopeConfig
 from kvserve.model.layers.elementwise import apply_rotary_
 
 
-def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Per-pair rotation frequencies, with the scaling variants a Llama-family config may name."""
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def rotary_dims(rope: RopeConfig, head_dim: int) -> int:
+    """How many of a head's dims rotate (transformers: int(head_dim * partial_rotary_factor))."""
+    dims = int(head_dim * rope.rotary_fraction)
+    if dims <= 0 or dims % 2 or dims > head_dim:
+        raise ValueError(f"partial_rotary_factor={rope.rotary_fraction} gives {dims} rotary dims of {head_dim}; "
+                         "need an even number in (0, head_dim]")
+    return dims
+
+
+def partial_rotary_order(head_dim: int, dims: int) -> list[int]:
+    """For each dim of the kernels' layout, the checkpoint dim it holds (see the module doc)."""
+    half, rot_half = head_dim // 2, dims // 2
+    first = list(range(rot_half)) + [dims + j for j in range(half - rot_half)]
+    second = [rot_half + j for j in range(rot_half)] + [dims + half - rot_half + j for j in range(half - rot_half)]
+    return first + second
+
+
+def uses_long_factors(rope: RopeConfig, max_position: int) -> bool:
+    """LongRoPE: transformers switches to the long factors once a sequence outgrows the original
+    context, and then recomputes the whole cache with them. A paged cache shared across requests
+    cannot re-rotate as one sequence grows, so the choice is made once, by the longest sequence the
+    engine runs (as vLLM does): short factors within the original context, long ones beyond."""
+    return max_position > rope.original_max_position
+
+
+def inverse_frequencies(rope: RopeConfig, head_dim: int, max_position: int = 0) -> torch.Tensor:
+    """Per-pair rotation frequencies of the rotating dims, with the scaling variants a config may
+    name; ``max_position`` picks LongRoPE's factors."""
+    dims = rotary_dims(rope, head_dim)
+    exponent = torch.arange(0, dims, 2, dtype=torch.int64).float() / dims
+    if rope.rope_type == "longrope":
+        factors = rope.long_factor if uses_long_factors(rope, max_position) else rope.short_factor
+        if len(factors) != dims // 2:
+            raise ValueError(f"rope_scaling: LongRoPE needs {dims // 2} short and long factors, got "
+                             f"{len(rope.short_factor)} and {len(rope.long_factor)}")
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * rope.theta**exponent)
+    inv_freq = 1.0 / (rope.theta ** exponent)
     if rope.rope_type == "default":
         return inv_freq
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
         return _llama3_scaling(inv_freq, rope)
-    raise ValueError(f"rope_type={rope.rope_type!r} is not supported; supported: default, linear, llama3")
+    raise ValueError(f"rope_type={rope.rope_type!r} is not supported; supported: default, linear, llama3, longrope")
 
 
 def _llama3_scaling(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
@@ -39,10 +80,15 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_position: int) -> None:
         super().__init__()
-        inv_freq = inverse_frequencies(rope, head_dim)
+        inv_freq = inverse_frequencies(rope, head_dim, max_position)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_pos, D/2], float32
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        cos, sin = freqs.cos() * rope.attention_factor, freqs.sin() * rope.attention_factor
+        if inv_freq.numel() < head_dim // 2:  # partial rotary: the other pairs pass through
+            rest = head_dim // 2 - inv_freq.numel()
+            cos = torch.cat((cos, torch.ones(max_position, rest)), dim=1)
+            sin = torch.cat((sin, torch.zeros(max_position, rest)), dim=1)
+        self.register_buffer("cos", cos, persistent=False)  # [max_pos, D/2], float32
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
         """Rotates q: [T, Hq, D] and k: [T, Hkv, D] in place (views into a fused qkv output are fine);

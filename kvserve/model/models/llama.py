@@ -16,7 +16,7 @@ from kvserve.config import ModelConfig
 from kvserve.model.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.model.layers.linear import Linear, VocabEmbedding, load_checkpoint
 from kvserve.model.layers.norm import RMSNorm
-from kvserve.model.layers.rotary import RotaryEmbedding
+from kvserve.model.layers.rotary import RotaryEmbedding, partial_rotary_order, rotary_dims
 
 
 class Attention(torch.nn.Module):
@@ -92,6 +92,8 @@ class Backbone(torch.nn.Module):
 class LlamaForCausalLM(torch.nn.Module):
     """Parameter names follow Hugging Face checkpoints, except the fused qkv/gate_up projections."""
 
+    fused_decode = True  # llama_decode.py may run its pure decode steps as one C++ call
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = cfg
@@ -118,4 +120,22 @@ class LlamaForCausalLM(torch.nn.Module):
         """Fill every weight from checkpoint tensors (HF names); q/k/v and gate/up go into the fused
         projections by rows. Raises ValueError if a tensor is left unfilled or has the wrong shape."""
         # tied embeddings: some checkpoints still carry a copy of the output head
+        cfg = self.config
+        if rotary_dims(cfg.rope, cfg.head_dim) < cfg.head_dim:
+            weights = _reorder_partial_rotary(weights, cfg)
         load_checkpoint(self, weights, skip=("lm_head.",) if self.lm_head is None else ())
+
+
+_ROTATED = ("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight", "self_attn.k_proj.bias",
+            "self_attn.q_norm.weight", "self_attn.k_norm.weight")
+
+
+def _reorder_partial_rotary(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig):
+    """Put q and k's rotating dims where the full-head rotary kernels pair them (layers/rotary.py)."""
+    order = torch.tensor(partial_rotary_order(cfg.head_dim, rotary_dims(cfg.rope, cfg.head_dim)))
+    for name, tensor in weights:
+        if name.endswith(_ROTATED):
+            rows = tensor.shape[0]
+            index = (torch.arange(0, rows, cfg.head_dim)[:, None] + order[None, :]).reshape(-1)
+            tensor = tensor[index] if isinstance(tensor, torch.Tensor) else tensor.take_rows(index.numpy())
+        yield name, tensor
