@@ -235,8 +235,13 @@ class CacheConfig:
     # one byte per value plus a float16 scale per token and head: about half a bf16 cache's bytes per token
     kv_cache_dtype: str = option("auto", "KV cache values: auto = the model dtype; int8, or fp8 (e4m3), with a "
                                  "scale per token and head (model/attention/kv_quant.py)", choices=KV_CACHE_DTYPES)
+    attention_sinks: int = option(0, "StreamingLLM: keep the KV of the first N tokens and of the latest "
+                                  "max_model_len - N, so a sequence outgrows max_model_len with bounded KV "
+                                  "(models without a sliding window; 0: off)")
 
     def __post_init__(self) -> None:
+        if self.attention_sinks < 0:
+            raise ValueError(f"attention_sinks={self.attention_sinks} must be >= 0")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of {list(KV_CACHE_DTYPES)}")
         if self.block_size < 1 or self.block_size > 1024:

@@ -14,7 +14,7 @@ import math
 import torch
 
 from kvserve.config import RopeConfig
-from kvserve.model.layers.elementwise import apply_rotary_
+from kvserve.model.layers.elementwise import apply_rotary_, apply_rotary_reference_
 
 
 def rotary_dims(rope: RopeConfig, head_dim: int) -> int:
@@ -80,17 +80,33 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_position: int) -> None:
         super().__init__()
-        inv_freq = inverse_frequencies(rope, head_dim, max_position)
-        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        cos, sin = freqs.cos() * rope.attention_factor, freqs.sin() * rope.attention_factor
-        if inv_freq.numel() < head_dim // 2:  # partial rotary: the other pairs pass through
-            rest = head_dim // 2 - inv_freq.numel()
-            cos = torch.cat((cos, torch.ones(max_position, rest)), dim=1)
-            sin = torch.cat((sin, torch.zeros(max_position, rest)), dim=1)
+        self.half, self.gain = head_dim // 2, rope.attention_factor
+        self.register_buffer("inv_freq", inverse_frequencies(rope, head_dim, max_position), persistent=False)
+        cos, sin = self._rows(torch.arange(max_position, dtype=torch.float32))
         self.register_buffer("cos", cos, persistent=False)  # [max_pos, D/2], float32
         self.register_buffer("sin", sin, persistent=False)
+        # Attention sinks run sequences past the table; their positions' rows are computed per call.
+        self.any_position = False
+
+    def _rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None] * self.inv_freq[None, :]
+        cos, sin = freqs.cos() * self.gain, freqs.sin() * self.gain
+        rest = self.half - self.inv_freq.numel()
+        if rest:  # partial rotary: the other pairs pass through
+            cos = torch.cat((cos, cos.new_ones(len(positions), rest)), dim=1)
+            sin = torch.cat((sin, sin.new_zeros(len(positions), rest)), dim=1)
+        return cos, sin
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
         """Rotates q: [T, Hq, D] and k: [T, Hkv, D] in place (views into a fused qkv output are fine);
         positions: [T]."""
+        if self.any_position and len(positions) and int(positions.max()) >= len(self.cos):
+            cos, sin = self._rows(positions.float())  # the table's formula: the same rows where they overlap
+            apply_rotary_(torch.arange(len(positions), device=positions.device), q, k, cos, sin)
+            return
         apply_rotary_(positions, q, k, self.cos, self.sin)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> None:
+        """Rotates x: [T, H, D] alone in place (PyTorch ops: a side path, not the hot one)."""
+        cos, sin = self._rows(positions.float())
+        apply_rotary_reference_(torch.arange(len(positions), device=positions.device), x, x[:, :0], cos, sin)
