@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,12 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    # LongRoPE (Phi-3, Phi-4-mini): per-pair divisors of the frequencies within the original context
+    # and beyond it, and the gain on cos/sin that goes with the stretched context.
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
+    rotary_fraction: float = 1.0  # partial_rotary_factor: the share of each head's dims that rotate
 
     @staticmethod
     def from_hf(cfg: dict[str, Any], layer_type: str = "full_attention") -> RopeConfig:
@@ -64,15 +71,37 @@ class RopeConfig:
         scaling = cfg.get("rope_scaling") or {}
         params = {**scaling, **params}
         theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+        rope_type = str(params.get("rope_type", params.get("type", "default")) or "default")
+        if rope_type == "su" or (rope_type == "yarn" and cfg.get("model_type") == "phi3"):
+            rope_type = "longrope"  # Phi-3's earlier names for it, as transformers reads them
+        original = int(params.get("original_max_position_embeddings",
+                                  cfg.get("original_max_position_embeddings", 8192)))
+        attention_factor = 1.0
+        if rope_type == "longrope":
+            attention_factor = _longrope_attention_factor(params, cfg, original)
         return RopeConfig(
             theta=float(theta),
-            rope_type=str(rope_type),
-            factor=float(params.get("factor", 1.0)),
+            rope_type=rope_type,
+            factor=float(params.get("factor") or 1.0),
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+            original_max_position=original,
+            short_factor=tuple(float(x) for x in params.get("short_factor") or ()),
+            long_factor=tuple(float(x) for x in params.get("long_factor") or ()),
+            attention_factor=attention_factor,
+            rotary_fraction=float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))),
         )
+
+
+def _longrope_attention_factor(params: dict[str, Any], cfg: dict[str, Any], original: int) -> float:
+    """transformers' rule: the configured ``attention_factor``, else sqrt(1 + ln s / ln original) for
+    the stretch s = ``factor`` (Phi-3: max_position_embeddings / original when absent)."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = params.get("factor")
+    if factor is None:
+        factor = int(cfg.get("max_position_embeddings", 4096)) / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 @dataclass(frozen=True)
@@ -206,8 +235,13 @@ class CacheConfig:
     # one byte per value plus a float16 scale per token and head: about half a bf16 cache's bytes per token
     kv_cache_dtype: str = option("auto", "KV cache values: auto = the model dtype; int8, or fp8 (e4m3), with a "
                                  "scale per token and head (model/attention/kv_quant.py)", choices=KV_CACHE_DTYPES)
+    attention_sinks: int = option(0, "StreamingLLM: keep the KV of the first N tokens and of the latest "
+                                  "max_model_len - N, so a sequence outgrows max_model_len with bounded KV "
+                                  "(models without a sliding window; 0: off)")
 
     def __post_init__(self) -> None:
+        if self.attention_sinks < 0:
+            raise ValueError(f"attention_sinks={self.attention_sinks} must be >= 0")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of {list(KV_CACHE_DTYPES)}")
         if self.block_size < 1 or self.block_size > 1024:

@@ -13,7 +13,8 @@ import torch
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                 "MistralForCausalLM": "mistral", "Gemma2ForCausalLM": "gemma2",
-                "Gemma3ForCausalLM": "gemma3_text", "SmolLM3ForCausalLM": "smollm3"}
+                "Gemma3ForCausalLM": "gemma3_text", "SmolLM3ForCausalLM": "smollm3",
+                "Phi3ForCausalLM": "phi3"}
 
 # Tiny defaults: 2 layers, GQA 4/2, head_dim 16; overridden per call.
 TINY_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -92,19 +92,26 @@ class EngineCore:
         if device.type == "cpu":
             keep_freed_memory()  # large per-step tensors reuse heap memory: see runtime/allocator.py
         model, self.model_config = load_model(self.model_path, config.torch_dtype, device,
-                                              config.quant.quantization, config.quant.group_size)
+                                              config.quant.quantization, config.quant.group_size,
+                                              config.scheduler.max_model_len)
         self.kv_info = size_kv_cache(config, self.model_config)
         self.memory = MemoryReport.of(model, self.kv_info, config)
         log.info("memory: %s", self.memory.summary())
         if device.type == "cpu":  # its pages are committed as they are written: refuse now, not under load
             check_fits(self.memory.kv_cache_bytes, "the KV cache",
                        "lower --kv-cache-memory (kv_cache_memory_bytes) or --num-kv-blocks")
-        self.max_model_len = min(self.model_config.max_position, config.scheduler.max_model_len or 1 << 62,
-                                 self._kv_length_limit(config))
-        self.kv_cache = KVCacheManager(self.kv_info.num_blocks, self.kv_info.block_size,
-                                       config.cache.enable_prefix_caching, window=self.model_config.all_layers_windowed)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         backend = get_backend(device, config.cache.kv_cache_dtype, config.attention_backend)
+        self.sinks = config.cache.attention_sinks
+        window = self.model_config.all_layers_windowed
+        if self.sinks:
+            window = self._use_attention_sinks(model, backend, config)
+            self.max_model_len = min(self.model_config.max_position, config.scheduler.max_model_len or 1 << 62)
+        else:
+            self.max_model_len = min(self.model_config.max_position, config.scheduler.max_model_len or 1 << 62,
+                                     self._kv_length_limit(config))
+        self.kv_cache = KVCacheManager(self.kv_info.num_blocks, self.kv_info.block_size,
+                                       config.cache.enable_prefix_caching, window=window, sinks=self.sinks)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         graphs = None if config.enforce_eager else (config.scheduler.max_num_seqs, self.max_model_len)
         self.runner = ModelRunner(model, self.model_config, backend, self.kv_info.num_blocks, self.kv_info.block_size,
                                   config.torch_dtype, device, config.seed, cuda_graphs=graphs)
@@ -130,6 +137,31 @@ class EngineCore:
         if window is not None and max_window_blocks(window, info.block_size, step_tokens) <= info.num_blocks:
             return 1 << 62
         return info.capacity_tokens
+
+    def _use_attention_sinks(self, model: torch.nn.Module, backend, config: EngineConfig) -> int:
+        """Turn on attention sinks (``attention_sinks`` N): the model attends to the first N positions
+        and the latest max_model_len - N, and the KV cache keeps just those. Returns that window."""
+        sinks, context = self.sinks, min(self.model_config.max_position, config.scheduler.max_model_len or 1 << 62)
+        if not hasattr(model, "use_attention_sinks"):
+            raise ValueError(f"attention_sinks is not supported for {self.model_config.architecture}")
+        if any(w is not None for w in self.model_config.layer_windows):
+            raise ValueError("attention_sinks: this model has a sliding window of its own; sinks are for "
+                             "models that attend fully")
+        if backend.name != "torch":
+            raise ValueError(f"attention_sinks needs attention_backend='torch'; this engine has {backend.name!r}")
+        if config.speculative.method is not None:
+            raise ValueError("attention_sinks does not combine with speculative decoding")
+        if sinks >= context:
+            raise ValueError(f"attention_sinks={sinks} must be below max_model_len={context} (the rest is the window)")
+        window, info = context - sinks, self.kv_info
+        need = -(-sinks // info.block_size) + max_window_blocks(window, info.block_size,
+                                                                config.scheduler.max_num_batched_tokens)
+        if need > info.num_blocks:
+            raise ValueError(f"attention_sinks: a request holds up to {need} KV blocks ({sinks} sinks, a window of "
+                             f"{window}, a step of {config.scheduler.max_num_batched_tokens} tokens); the pool has "
+                             f"{info.num_blocks}: add blocks or lower max_model_len / max_num_batched_tokens")
+        model.use_attention_sinks(sinks, window)
+        return window
 
     def _make_speculation(self, config: EngineConfig) -> SpeculativeController | None:
         spec = config.speculative
@@ -161,7 +193,7 @@ class EngineCore:
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt is empty: give at least one token")
-        if len(prompt_token_ids) >= self.max_model_len:
+        if len(prompt_token_ids) >= self.max_model_len and not self.sinks:  # sinks: any length streams
             raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; the context window holds "
                              f"{self.max_model_len}, so the prompt must be at most {self.max_model_len - 1}")
         vocab = self.model_config.vocab_size
@@ -348,7 +380,9 @@ class EngineCore:
         params = request.sampling_params
         if token in request.eos_token_ids or token in params.stop_token_ids:
             return FinishReason.STOP
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if len(request.output_token_ids) >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.max_model_len and not self.sinks:  # sinks: KV stays bounded past it
             return FinishReason.LENGTH
         return None
 

@@ -14,6 +14,10 @@ computed at position ``c`` reads no key before ``c - window + 1``, so once a req
 ``c`` tokens the blocks wholly before that position go back to the pool (into the prefix cache if
 they are registered there). Their entries in the table become ``RELEASED``: positions keep their
 indices, and no kernel reads a block before a sequence's window start.
+
+Attention sinks (``sinks``, StreamingLLM, on a model without a window of its own): the first
+``sinks`` tokens stay readable for good, beside a window of the latest ones; the blocks holding the
+sinks are kept and the released run starts after them.
 """
 
 from __future__ import annotations
@@ -55,10 +59,14 @@ class KVCacheManager:
     """Owns the block pool and every request's block table."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 window: int | None = None) -> None:
-        """``window``: the sliding window of a model whose every layer slides (see the module doc)."""
+                 window: int | None = None, sinks: int = 0) -> None:
+        """``window``: the sliding window of a model whose every layer slides, or the recent window
+        beside ``sinks`` attention-sink tokens (see the module doc)."""
         if window is not None and window < 1:
             raise ValueError(f"window={window} must be >= 1")
+        if sinks < 0 or (sinks and window is None):
+            raise ValueError(f"sinks={sinks}: attention sinks need a window and a count >= 0")
+        self.sink_blocks = blocks_needed(sinks, block_size)  # the leading blocks never released
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.window = window
@@ -67,7 +75,8 @@ class KVCacheManager:
         self._tables: dict[str, list[int]] = {}
         self._keys: dict[str, list[BlockKey]] = {}  # full-block keys of a request's tokens so far
         self._num_registered: dict[str, int] = {}  # leading blocks of the table already in the cache
-        self._num_released: dict[str, int] = {}  # leading blocks of the table released (outside the window)
+        # blocks of the table released (outside the window): the run after the sink blocks
+        self._num_released: dict[str, int] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -143,13 +152,13 @@ class KVCacheManager:
         table = self._tables.get(request_id)
         if not table:
             return
-        start = self._num_released.get(request_id, 0)
+        start = self.sink_blocks + self._num_released.get(request_id, 0)
         end = min(first_needed_block(num_computed, self.window, self.block_size), len(table))
         if end <= start:
             return
         self.pool.free([b for b in table[start:end] if b != RELEASED])
         table[start:end] = [RELEASED] * (end - start)
-        self._num_released[request_id] = end
+        self._num_released[request_id] = end - self.sink_blocks
 
     def _request_keys(self, request: Request, num_blocks: int) -> list[BlockKey]:
         keys = self._keys.get(request.request_id, [])
@@ -171,19 +180,25 @@ class KVCacheManager:
             raise RuntimeError(f"request {request_id} already has blocks; a prefix can only start a table")
         missing = blocks_needed(num_tokens, self.block_size) - len(table) - len(prefix)
         # (sliding window) the prefix's blocks before the first computed token's window are not read: not taken
-        skip = first_needed_block(len(prefix) * self.block_size, self.window, self.block_size) if prefix else 0
-        reclaimed = sum(1 for b in prefix[skip:] if self.pool.ref_count(b) == 0)  # cached blocks leave the free queue
+        skip_end = first_needed_block(len(prefix) * self.block_size, self.window, self.block_size) if prefix else 0
+        keep = min(self.sink_blocks, len(prefix))  # (attention sinks) the sink blocks are read for good
+        skip_end = max(skip_end, keep)
+        taken = prefix[:keep] + prefix[skip_end:]
+        reclaimed = sum(1 for b in taken if self.pool.ref_count(b) == 0)  # cached blocks leave the free queue
         if missing > self.pool.num_free_blocks - reclaimed:
             return False
         table = self._tables.setdefault(request_id, table)
-        table.extend([RELEASED] * skip)
-        for b in prefix[skip:]:
+        for b in prefix[:keep]:
+            self.pool.touch(b)
+            table.append(b)
+        table.extend([RELEASED] * (skip_end - keep))
+        for b in prefix[skip_end:]:
             self.pool.touch(b)
             table.append(b)
         if prefix:
             self._num_registered[request_id] = len(prefix)
-        if skip:
-            self._num_released[request_id] = skip
+        if skip_end > keep:
+            self._num_released[request_id] = skip_end - keep
         if missing > 0:
             table.extend(self.pool.allocate(missing))
         return True
@@ -212,7 +227,7 @@ class KVCacheManager:
             table.append(dst)
         self._tables[child_id] = table
         self._num_registered[child_id] = min(full, self._num_registered.get(parent_id, 0))
-        released = sum(1 for b in table if b == RELEASED)  # always a leading run
+        released = sum(1 for b in table if b == RELEASED)  # always one run, after the sink blocks
         if released:
             self._num_released[child_id] = released
         return copies
@@ -252,9 +267,10 @@ class KVCacheManager:
         self.pool.check_invariants()
         holders: dict[int, int] = {}
         for rid, table in self._tables.items():
-            released = self._num_released.get(rid, 0)
-            assert all(b == RELEASED for b in table[:released]), "a released entry still names a block"
-            held = table[released:]
+            released, sinks = self._num_released.get(rid, 0), min(self.sink_blocks, len(table))
+            run = table[sinks:sinks + released]
+            assert all(b == RELEASED for b in run), "a released entry still names a block"
+            held = table[:sinks] + table[sinks + released:]
             assert RELEASED not in held and len(held) == len(set(held)), "a table holds a block twice"
             for b in held:
                 holders[b] = holders.get(b, 0) + 1

@@ -24,7 +24,7 @@ import torch
 from kvserve.runtime.disk_cache import cache_dir, write_atomically
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 # llama.cpp converters permute Q/K rows of these architectures for their RoPE layout.
 _PERMUTED_QK = {"llama", "mistral"}
@@ -44,7 +44,12 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3 keeps q/k/v (and gate/up) fused
 }
+# Phi-3's ffn_up holds gate and up stacked, as its HF checkpoint's gate_up_proj does.
+_ARCH_LAYER_NAMES = {"phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"}}
+# LongRoPE's factors: read into the config, not weights.
+_ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 _FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -128,7 +133,39 @@ def read_config(path: Path) -> dict[str, Any]:
     }
     if "rope_freqs.weight" in names:
         raise ValueError("GGUF files with rope_freqs (Llama 3.1 scaling) are not supported yet; use the HF folder")
+    if arch == "phi3":
+        cfg.update(_phi3_config(path, index, cfg))
     return cfg
+
+
+def _phi3_config(path: Path, index: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """What llama.cpp's converter writes of a Phi-3 config: the original context, the rotary dims
+    (Phi-4-mini: part of each head), the window (0: none) and LongRoPE's factors as tensors."""
+    head_dim = cfg["head_dim"]
+    extra: dict[str, Any] = {
+        "original_max_position_embeddings": int(_field(index, "phi3.rope.scaling.original_context_length",
+                                                       cfg["max_position_embeddings"])),
+        "partial_rotary_factor": int(_field(index, "phi3.rope.dimension_count", head_dim)) / head_dim,
+        "sliding_window": int(_field(index, "phi3.attention.sliding_window", 0)) or None,
+    }
+    factors = {key: _float_tensor(path, index, name).tolist() for name, key in _ROPE_FACTORS.items()
+               if any(t[0] == name for t in index["tensors"])}
+    if factors:
+        if len(factors) != 2:
+            raise ValueError(f"GGUF file has only {sorted(factors)} of LongRoPE's long and short factors")
+        scaling: dict[str, Any] = {"rope_type": "longrope", **factors}
+        if _field(index, "phi3.rope.scaling.attn_factor") is not None:
+            scaling["attention_factor"] = float(_field(index, "phi3.rope.scaling.attn_factor"))
+        extra["rope_scaling"] = scaling
+    return extra
+
+
+def _float_tensor(path: Path, index: dict[str, Any], name: str) -> np.ndarray:
+    """A small F32 tensor of the file (e.g. rope factors), read directly."""
+    _name, type_name, dims, offset = next(t for t in index["tensors"] if t[0] == name)
+    if type_name != "F32":
+        raise ValueError(f"GGUF tensor {name!r} is {type_name}; expected F32")
+    return np.fromfile(path, dtype=np.float32, count=math.prod(dims), offset=offset)
 
 
 @dataclass(frozen=True)
@@ -168,7 +205,10 @@ class GGUFBlocks:
 
 def tensor_types(path: Path) -> dict[str, str]:
     """HF tensor name -> GGML type name (e.g. "Q4_1", "F32") for every tensor in the file."""
-    return {_hf_name(name): type_name for name, type_name, _dims, _offset in _index(path)["tensors"]}
+    index = _index(path)
+    arch = _field(index, "general.architecture")
+    return {_hf_name(name, arch): type_name for name, type_name, _dims, _offset in index["tensors"]
+            if name not in _ROPE_FACTORS}
 
 
 def iter_weights(path: Path, config: dict[str, Any], keep_blocks: bool = False
@@ -180,7 +220,9 @@ def iter_weights(path: Path, config: dict[str, Any], keep_blocks: bool = False
     raw = np.memmap(path, dtype=np.uint8, mode="r")
     arch = config["model_type"]
     for gguf_name, type_name, dims, offset in _index(path)["tensors"]:
-        name = _hf_name(gguf_name)
+        if gguf_name in _ROPE_FACTORS:
+            continue
+        name = _hf_name(gguf_name, arch)
         qtype = gguf.GGMLQuantizationType[type_name]
         shape = tuple(reversed(dims))  # GGUF lists dimensions innermost first
         if type_name in _NUMPY_TYPES:
@@ -200,13 +242,14 @@ def iter_weights(path: Path, config: dict[str, Any], keep_blocks: bool = False
         yield name, tensor
 
 
-def _hf_name(name: str) -> str:
+def _hf_name(name: str, arch: str | None = None) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     prefix, layer, rest = name.split(".", 2)
-    if prefix != "blk" or rest not in _LAYER_NAMES:
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch or "", {})}
+    if prefix != "blk" or rest not in names:
         raise ValueError(f"GGUF tensor {name!r} is not understood by kvserve")
-    return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
+    return f"model.layers.{layer}.{names[rest]}"
 
 
 def _unpermute_qk(weight: torch.Tensor | GGUFBlocks, num_heads: int) -> torch.Tensor | GGUFBlocks:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,14 +95,17 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantization: str | None = None,
-               group_size: int | None = None) -> tuple[torch.nn.Module, ModelConfig]:
+               group_size: int | None = None, max_model_len: int | None = None) -> tuple[torch.nn.Module, ModelConfig]:
     """Build the registered model class for the checkpoint and fill every parameter.
 
     ``quantization`` / ``group_size``: see kvserve.model.quant.plan (None keeps a GGUF file's own
-    block quantization and a float checkpoint dense in ``dtype``).
+    block quantization and a float checkpoint dense in ``dtype``). ``max_model_len`` caps the
+    config's ``max_position``: the RoPE tables need no more, and LongRoPE picks its factors by it.
     """
     hf = load_hf_config(path)
     config = load_model_config(path)
+    if max_model_len is not None and max_model_len < config.max_position:
+        config = dataclasses.replace(config, max_position=max_model_len)
     cls = model_class(config.architecture)
     gguf = is_gguf(path)
     with torch.device(device):

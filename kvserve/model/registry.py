@@ -7,6 +7,7 @@ import torch
 from kvserve.model.models.gemma2 import Gemma2ForCausalLM
 from kvserve.model.models.gemma3 import Gemma3ForCausalLM
 from kvserve.model.models.llama import LlamaForCausalLM
+from kvserve.model.models.phi3 import Phi3ForCausalLM
 from kvserve.model.models.smollm3 import SmolLM3ForCausalLM
 
 _MODELS: dict[str, type[torch.nn.Module]] = {
@@ -14,6 +15,7 @@ _MODELS: dict[str, type[torch.nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,

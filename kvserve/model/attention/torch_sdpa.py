@@ -12,7 +12,8 @@ run one sequence at a time through SDPA, reading the cached prefix only when the
 (dequantizing the gathered blocks for a quantized cache).
 A sliding window is a start position per sequence for the C++ kernels; on the SDPA paths it reads
 only the blocks from the window's start and masks the positions before it. Soft-capped scores
-(Gemma 2) take a plain PyTorch path, one sequence at a time (neither SDPA nor the kernels cap).
+(Gemma 2) take a plain PyTorch path, one sequence at a time (neither SDPA nor the kernels cap), and
+so do attention sinks, whose sink keys are scored with queries of their own.
 """
 
 from __future__ import annotations
@@ -59,11 +60,13 @@ class TorchAttentionBackend:
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-        window: int | None = None, softcap: float | None = None,
+        window: int | None = None, softcap: float | None = None, sinks: int = 0, sink_q: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]. Writes k, v into the cache, returns [T, Hq, D]; with
-        ``window``, position p attends to positions (p - window, p] only; ``softcap``: see backend.py."""
+        ``window``, position p attends to positions (p - window, p] only; ``softcap``, ``sinks``: see backend.py."""
         self._write(k, v, kv_cache, meta)
+        if sinks:
+            return self._with_sinks(q, sink_q, kv_cache, meta, scale, window, sinks)
         if softcap is not None:
             return self._softcapped(q, kv_cache, meta, scale, window, softcap)
         if not meta.prefill_seqs:  # a pure decode step (the common one): every row is a sequence's query
@@ -187,6 +190,35 @@ class TorchAttentionBackend:
             scores = torch.tanh(scores / softcap) * softcap
             mask = _causal_mask(torch.arange(seq_len - num_new, seq_len, device=q.device), key_pos, window)
             probs = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
+            out[start:end] = torch.matmul(probs, values).transpose(0, 1)
+        return out
+
+
+    def _with_sinks(self, q: torch.Tensor, sink_q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, window: int, sinks: int) -> torch.Tensor:
+        """Each query at p sees positions [0, sinks) and (p - window, p]; once p >= sinks + window
+        (the window has left the sinks behind) it scores the sink keys with its ``sink_q`` row."""
+        out = torch.empty_like(q)
+        bs = meta.block_size
+        sink_blocks = -(-sinks // bs)
+        for i in range(meta.num_seqs):
+            start, end, seq_len = meta.query_start[i], meta.query_start[i + 1], meta.seq_lens[i]
+            num_new, num_blocks = end - start, -(-seq_len // bs)
+            first = max(sink_blocks, max(0, seq_len - num_new - window + 1) // bs)  # released blocks lie between
+            blocks = torch.cat((torch.arange(min(sink_blocks, num_blocks)), torch.arange(first, num_blocks)))
+            key_pos = (blocks[:, None] * bs + torch.arange(bs)[None, :]).reshape(-1).to(q.device)
+            table = meta.block_tables[i, blocks.to(meta.block_tables.device)]
+            keys = self._gather(kv_cache[0], table, q.dtype).flatten(0, 1).transpose(0, 1)  # [Hkv, L, D]
+            values = self._gather(kv_cache[1], table, q.dtype).flatten(0, 1).transpose(0, 1)
+            group = q.shape[1] // keys.shape[0]
+            keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)  # [Hq, L, D]
+            q_pos = torch.arange(seq_len - num_new, seq_len, device=q.device)
+            scores = torch.matmul(q[start:end].transpose(0, 1), keys.transpose(1, 2)) * scale  # [Hq, n, L]
+            sink_scores = torch.matmul(sink_q[start:end].transpose(0, 1), keys.transpose(1, 2)) * scale
+            is_sink = key_pos[None, :] < sinks
+            scores = torch.where(is_sink & (q_pos[:, None] >= sinks + window), sink_scores, scores)
+            visible = (key_pos[None, :] <= q_pos[:, None]) & (is_sink | (key_pos[None, :] > q_pos[:, None] - window))
+            probs = scores.masked_fill(~visible, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
             out[start:end] = torch.matmul(probs, values).transpose(0, 1)
         return out
 

@@ -16,7 +16,7 @@ from kvserve.config import ModelConfig
 from kvserve.model.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.model.layers.linear import Linear, VocabEmbedding, load_checkpoint
 from kvserve.model.layers.norm import RMSNorm
-from kvserve.model.layers.rotary import RotaryEmbedding
+from kvserve.model.layers.rotary import RotaryEmbedding, partial_rotary_order, rotary_dims
 
 
 class Attention(torch.nn.Module):
@@ -34,6 +34,7 @@ class Attention(torch.nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.softcap: float | None = None  # Gemma 2 caps the attention scores (gemma2.py)
         self.splits = (q, kv, kv)
+        self.sinks = 0  # attention sinks: see LlamaForCausalLM.use_attention_sinks
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -43,9 +44,21 @@ class Attention(torch.nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        sink_q = None
+        if self.sinks:
+            # the queries as if at the last place of a full cache (sinks + window): what they score
+            # the sink keys with once the window has moved past them
+            sink_q = q.clone()
+            if self.use_rope:
+                place = torch.full_like(positions, self.sinks + self.window - 1)
+                rotary.rotate(place, sink_q)
         if self.use_rope:
             rotary(positions, q, k)
-        out = backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap)
+        if sink_q is not None:
+            out = backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window, sinks=self.sinks,
+                                  sink_q=sink_q)
+        else:
+            out = backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
 
@@ -92,6 +105,8 @@ class Backbone(torch.nn.Module):
 class LlamaForCausalLM(torch.nn.Module):
     """Parameter names follow Hugging Face checkpoints, except the fused qkv/gate_up projections."""
 
+    fused_decode = True  # llama_decode.py may run its pure decode steps as one C++ call
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = cfg
@@ -114,8 +129,48 @@ class LlamaForCausalLM(torch.nn.Module):
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         return head.project(hidden)
 
+    @property
+    def attention_sinks(self) -> int:
+        return self.model.layers[0].self_attn.sinks
+
+    def use_attention_sinks(self, sinks: int, window: int) -> None:
+        """StreamingLLM: every layer attends to the first ``sinks`` positions and the latest
+        ``window``; a sequence may then outgrow the model's context with bounded KV.
+
+        The paper numbers positions by place in the cache. Keys here stay rotated at their own
+        positions, which the paged cache (shared prefixes, no re-writes) needs; the window is
+        contiguous and ends at the query, so its distances are the cache-place ones already, and the
+        sink keys (at places 0 .. sinks - 1, their own positions) are scored with the query rotated
+        to the cache's last place instead of its own: the paper's scores, with no key re-rotated."""
+        if any(layer.self_attn.window is not None for layer in self.model.layers):
+            raise ValueError("attention_sinks: this model has a sliding window of its own; sinks are for "
+                             "models that attend fully")
+        if sinks < 1 or window < 1:
+            raise ValueError(f"attention_sinks={sinks} with a window of {window}: both must be >= 1")
+        for layer in self.model.layers:
+            layer.self_attn.sinks, layer.self_attn.window = sinks, window
+        self.rotary.any_position = True
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fill every weight from checkpoint tensors (HF names); q/k/v and gate/up go into the fused
         projections by rows. Raises ValueError if a tensor is left unfilled or has the wrong shape."""
         # tied embeddings: some checkpoints still carry a copy of the output head
+        cfg = self.config
+        if rotary_dims(cfg.rope, cfg.head_dim) < cfg.head_dim:
+            weights = _reorder_partial_rotary(weights, cfg)
         load_checkpoint(self, weights, skip=("lm_head.",) if self.lm_head is None else ())
+
+
+_ROTATED = ("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight", "self_attn.k_proj.bias",
+            "self_attn.q_norm.weight", "self_attn.k_norm.weight")
+
+
+def _reorder_partial_rotary(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig):
+    """Put q and k's rotating dims where the full-head rotary kernels pair them (layers/rotary.py)."""
+    order = torch.tensor(partial_rotary_order(cfg.head_dim, rotary_dims(cfg.rope, cfg.head_dim)))
+    for name, tensor in weights:
+        if name.endswith(_ROTATED):
+            rows = tensor.shape[0]
+            index = (torch.arange(0, rows, cfg.head_dim)[:, None] + order[None, :]).reshape(-1)
+            tensor = tensor[index] if isinstance(tensor, torch.Tensor) else tensor.take_rows(index.numpy())
+        yield name, tensor

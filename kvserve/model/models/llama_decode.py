@@ -37,7 +37,7 @@ def build_fused_decoder(model: torch.nn.Module, kv_caches: list[torch.Tensor],
     """The fused decoder for ``model`` over these caches, or None where it cannot run (see the module doc)."""
     kernels = load_kernels()
     if (kernels is None or cache_kind is None or os.environ.get("KVSERVE_FUSED_DECODE") == "0"
-            or type(model) is not LlamaForCausalLM):
+            or not isinstance(model, LlamaForCausalLM) or not type(model).fused_decode or model.attention_sinks):
         return None
     backbone, cfg = model.model, model.config
     if any(t.device.type != "cpu" for t in kv_caches) or backbone.norm.weight.device.type != "cpu":

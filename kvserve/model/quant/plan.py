@@ -79,7 +79,9 @@ def checkpoint_names(name: str, layer: Linear) -> list[str]:
 
 
 def _native(name: str, layer: Linear, gguf_types: dict[str, str]) -> QuantMethod | None:
-    types = {gguf_types.get(n, "") for n in checkpoint_names(name, layer)}
+    # a checkpoint that stores a fused layer whole (Phi-3's qkv_proj) names it as the layer is named
+    names = [n for n in checkpoint_names(name, layer) if n in gguf_types] or [f"{name}.weight"]
+    types = {gguf_types.get(n, "") for n in names}
     layout = gguf_blocks.native_layout(types)
     if layout is None:
         if types - {"F32", "F16", "BF16"}:
