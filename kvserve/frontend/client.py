@@ -134,6 +134,7 @@ class ModelInfo:
     max_token_bytes: int  # the longest token's text in UTF-8 bytes: bounds a prompt's text before tokenizing
     validate_prompt: Callable[[list[int]], None]  # raise ValueError naming the problem
     validate_params: Callable[[SamplingParams], None]
+    streams_past_context: bool = False  # attention sinks: a request may run past max_model_len
 
 
 class RequestStream:
@@ -477,7 +478,7 @@ def _model_info(engine: LLMEngine) -> ModelInfo:
     tokenizer = load_tokenizer(core.model_path)
     return ModelInfo(tokenizer, core.max_model_len, core.model_config.vocab_size,
                      core.kv_info.capacity_tokens, core.kv_info.num_blocks, core.kv_info.block_size,
-                     max_token_bytes(tokenizer), core.validate_prompt, core.validate_params)
+                     max_token_bytes(tokenizer), core.validate_prompt, core.validate_params, core.sinks > 0)
 
 
 def max_token_bytes(tokenizer: PreTrainedTokenizerBase) -> int:

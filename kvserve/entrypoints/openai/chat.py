@@ -47,7 +47,7 @@ async def create_chat_completion(req: ChatCompletionRequest, state: ServerState,
     reasoning = REASONING_PARSERS[state.reasoning_parser](prompt_text) if state.reasoning_parser else None
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = serving.resolve_max_tokens(requested, None, len(prompt), info.max_model_len, "messages", field)
+    max_tokens = serving.resolve_max_tokens(requested, None, len(prompt), info, "messages", field)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     structure = _structure(req, tools, reasoning)
     params = serving.build_params(req, info, max_tokens, logprobs=logprobs, renames=_RENAMES, structure=structure)

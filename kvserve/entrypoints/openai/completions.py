@@ -38,7 +38,7 @@ async def create_completion(req: CompletionRequest, state: ServerState, request:
     _reject_unsupported(req)
     prompts = await tokenize_prompts(req.prompt, info, state)
     longest = max(len(p) for p in prompts)
-    max_tokens = serving.resolve_max_tokens(req.max_tokens, DEFAULT_MAX_TOKENS, longest, info.max_model_len, "prompt")
+    max_tokens = serving.resolve_max_tokens(req.max_tokens, DEFAULT_MAX_TOKENS, longest, info, "prompt")
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
     params = serving.build_params(req, info, max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
                                   structure=requested_structure(req))

@@ -93,9 +93,15 @@ def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
                           "logit_bias") from None
 
 
-def resolve_max_tokens(requested: int | None, default: int | None, num_prompt_tokens: int, max_model_len: int,
+def resolve_max_tokens(requested: int | None, default: int | None, num_prompt_tokens: int, info: ModelInfo,
                        prompt_param: str, max_tokens_param: str = "max_tokens") -> int:
-    """Check prompt + max_tokens against the context window; without max_tokens, use what is left."""
+    """Check prompt + max_tokens against the context window; without max_tokens, use what is left.
+    An engine with attention sinks streams past the window, so only the window bounds the default."""
+    max_model_len = info.max_model_len
+    if info.streams_past_context:
+        if requested is not None:
+            return requested
+        return max_model_len if default is None else default
     room = max_model_len - num_prompt_tokens
     if room < 1:
         raise bad_request(f"This model's maximum context length is {max_model_len} tokens, but the {prompt_param} "
