@@ -7,6 +7,9 @@ import torch
 from kvserve.model.models.gemma2 import Gemma2ForCausalLM
 from kvserve.model.models.gemma3 import Gemma3ForCausalLM
 from kvserve.model.models.llama import LlamaForCausalLM
+from kvserve.model.models.mixtral import MixtralForCausalLM
+from kvserve.model.models.olmoe import OlmoeForCausalLM
+from kvserve.model.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from kvserve.model.models.smollm3 import SmolLM3ForCausalLM
 
 _MODELS: dict[str, type[torch.nn.Module]] = {
@@ -14,8 +17,12 @@ _MODELS: dict[str, type[torch.nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
 
