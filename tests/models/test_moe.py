@@ -81,3 +81,16 @@ def test_moe_preemption_and_ngram_speculation(tiny_moe):
     _check(hf, spec, [shared + [11, 12], shared + [13], _prompts(1, 20, 30, seed=3)[0] * 2])
     assert spec.engine.core.spec.stats.proposed > 0
     assert_no_leak(spec)
+
+
+def test_moe_int8_quantizes_experts_but_not_the_router(tmp_path):
+    arch, overrides = FAMILIES["qwen2_moe"]
+    path = make_tiny_model(tmp_path, arch, **overrides)
+    llm = LLM(model=str(path), num_kv_blocks=64, block_size=4, quantization="int8")
+    block = llm.engine.core.runner.model.model.layers[0].mlp
+    assert block.gate.method.name == block.shared_expert_gate.method.name == "dense"
+    assert all(e.down_proj.method.name.startswith("int8") for e in block.experts)
+    outs = llm.generate(_prompts(3, 5, 20, seed=4), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                        use_tqdm=False)
+    assert all(len(o.token_ids) == 8 for o in outs)
+    assert_no_leak(llm)
