@@ -107,7 +107,9 @@ class MoeConfig:
             raise ValueError(f"config.json: {arch} needs 1 <= num_experts_per_tok ({per_token}) <= the number of "
                              f"experts ({experts})")
         qwen = arch.startswith("Qwen")
-        inter = cfg.get("moe_intermediate_size") if qwen else cfg["intermediate_size"]
+        inter = cfg.get("moe_intermediate_size" if qwen else "intermediate_size")
+        if not inter:
+            raise ValueError(f"config.json: {arch} needs {'moe_' if qwen else ''}intermediate_size, the experts' width")
         step = int(cfg.get("decoder_sparse_step") or 1) if qwen else 1
         dense = set(cfg.get("mlp_only_layers") or ()) if qwen else set()
         return MoeConfig(
