@@ -32,16 +32,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
 
-    # kvserve first: it sets the OpenMP wait policy before torch loads
-    from kvserve import LLM, SamplingParams  # noqa: I001
-    from kvserve.bench.random_model import write_random_model
+    import kvserve  # noqa: F401  (first: it sets the OpenMP wait policy before torch loads)
 
+    with tempfile.TemporaryDirectory(prefix="moe-bench-") as tmp:
+        run_ab(args, Path(tmp))
+
+
+def run_ab(args: argparse.Namespace, tmp: Path) -> None:
     import torch
+
+    from kvserve import LLM, SamplingParams
+    from kvserve.bench.random_model import write_random_model
 
     shape = dict(vocab_size=4096, hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=16,
                  num_key_value_heads=4, head_dim=args.hidden // 16, max_position_embeddings=1024,
                  initializer_range=0.02, tie_word_embeddings=False)
-    tmp = Path(tempfile.mkdtemp(prefix="moe-bench-"))
     dtype = getattr(torch, args.dtype)
     moe_path = write_random_model(tmp / "moe", "MixtralForCausalLM", dtype=dtype, intermediate_size=args.expert_inter,
                                   num_local_experts=8, num_experts_per_tok=2, **shape)
