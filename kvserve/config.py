@@ -105,6 +105,58 @@ def _longrope_attention_factor(params: dict[str, Any], cfg: dict[str, Any], orig
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """Mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE, OLMoE), as transformers routes them: softmax over
+    the router's logits in float32, the top ``experts_per_token``, renormalised to sum to 1 if
+    ``renormalize`` (Mixtral always; the others by ``norm_topk_prob``)."""
+
+    num_experts: int
+    experts_per_token: int
+    expert_intermediate_size: int
+    renormalize: bool = False
+    # Mixtral weighs the experts' outputs by the float32 routing weights; the others round them to
+    # the model dtype first.
+    float32_weights: bool = False
+    shared_intermediate_size: int = 0  # Qwen2-MoE: a shared expert, gated by sigmoid(x w), on every token
+    # Per layer: whether its MLP is the sparse block (Qwen-MoE's decoder_sparse_step / mlp_only_layers)
+    sparse_layers: tuple[bool, ...] = ()
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.sparse_layers[layer] if self.sparse_layers else True
+
+    @staticmethod
+    def from_hf(cfg: dict[str, Any], arch: str, num_layers: int) -> MoeConfig | None:
+        if arch not in _MOE_ARCHITECTURES:
+            return None
+        mixtral = arch == "MixtralForCausalLM"
+        # Hub configs say num_local_experts (Mixtral) or num_experts; transformers 5 writes the former
+        experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+        per_token = int(cfg.get("num_experts_per_tok") or 0)
+        if experts < 1 or not 1 <= per_token <= experts:
+            raise ValueError(f"config.json: {arch} needs 1 <= num_experts_per_tok ({per_token}) <= the number of "
+                             f"experts ({experts})")
+        qwen = arch.startswith("Qwen")
+        inter = cfg.get("moe_intermediate_size" if qwen else "intermediate_size")
+        if not inter:
+            raise ValueError(f"config.json: {arch} needs {'moe_' if qwen else ''}intermediate_size, the experts' width")
+        step = int(cfg.get("decoder_sparse_step") or 1) if qwen else 1
+        dense = set(cfg.get("mlp_only_layers") or ()) if qwen else set()
+        return MoeConfig(
+            num_experts=experts,
+            experts_per_token=per_token,
+            expert_intermediate_size=int(inter),
+            renormalize=mixtral or bool(cfg.get("norm_topk_prob", False)),
+            float32_weights=mixtral,
+            shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+            if arch == "Qwen2MoeForCausalLM" else 0,
+            sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
+        )
+
+
+_MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The shape of a decoder-only transformer, read from an HF `config.json` (or GGUF metadata)."""
 
@@ -134,6 +186,8 @@ class ModelConfig:
     local_rope: RopeConfig | None = None  # Gemma 3: the sliding-window layers' own RoPE (another base)
     # SmolLM3: per layer, whether it rotates q and k (0 in ``no_rope_layers``: a NoPE layer); () = all do
     rope_layers: tuple[bool, ...] = ()
+    moe: MoeConfig | None = None  # the experts of a mixture-of-experts model, None for a dense one
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip] after projection
 
     def uses_rope(self, layer: int) -> bool:
         return self.rope_layers[layer] if self.rope_layers else True
@@ -158,6 +212,8 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         use_sw = cfg.get("use_sliding_window", cfg.get("sliding_window") is not None)
+        # Qwen2-MoE names the q/k/v bias qkv_bias
+        bias = cfg["qkv_bias"] if cfg.get("qkv_bias") is not None else cfg.get("attention_bias", arch.startswith("Qwen2"))
         return ModelConfig(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -171,7 +227,7 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope=RopeConfig.from_hf(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch.startswith("Qwen2"))),
+            attention_bias=bool(bias),
             qk_norm=arch.startswith(("Qwen3", "Gemma3")),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -183,6 +239,8 @@ class ModelConfig:
             final_logit_softcap=_optional_float(cfg.get("final_logit_softcapping")),
             local_rope=_local_rope(cfg),
             rope_layers=tuple(bool(x) for x in cfg.get("no_rope_layers") or ()),
+            moe=MoeConfig.from_hf(cfg, arch, int(cfg["num_hidden_layers"])),
+            clip_qkv=_optional_float(cfg.get("clip_qkv")),
         )
 
 

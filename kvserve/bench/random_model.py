@@ -14,7 +14,9 @@ import torch
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                 "MistralForCausalLM": "mistral", "Gemma2ForCausalLM": "gemma2",
                 "Gemma3ForCausalLM": "gemma3_text", "SmolLM3ForCausalLM": "smollm3",
-                "Phi3ForCausalLM": "phi3"}
+                "Phi3ForCausalLM": "phi3",
+                "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
+                "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe"}
 
 # Tiny defaults: 2 layers, GQA 4/2, head_dim 16; overridden per call.
 TINY_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -53,7 +55,7 @@ def write_random_model(path: Path, arch: str = "LlamaForCausalLM", seed: int = 0
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if model_type == "qwen2":  # make the qkv biases non-zero so they are exercised
+    if model_type in ("qwen2", "qwen2_moe"):  # make the qkv biases non-zero so they are exercised
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.config import layer_windows
+from kvserve.config import MoeConfig, layer_windows
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class MoeShape:
     shared_intermediate_size: int
     num_moe_layers: int
     router_bias: bool
+    shared_gate: bool = False  # Qwen2-MoE: the shared expert is scaled by sigmoid(x w), w one row
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class ModelShape:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
+    qk_norm_full: bool = False  # OLMoE: the q/k norms span the whole projection, not one head
     sliding_window: int | None = None
     num_sliding_layers: int = 0
     mla: MlaShape | None = None
@@ -86,7 +88,8 @@ class ModelShape:
             max_position=int(cfg.get("max_position_embeddings") or 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=bool(cfg.get("attention_bias", False)) or archs[0].startswith("Qwen2"),
-            qk_norm=archs[0].startswith("Qwen3"),
+            qk_norm=archs[0].startswith("Qwen3") or archs[0] == "OlmoeForCausalLM",
+            qk_norm_full=archs[0] == "OlmoeForCausalLM",
             sliding_window=window,
             num_sliding_layers=num_sliding,
             mla=_mla(cfg),
@@ -114,7 +117,22 @@ def _mla(cfg: dict[str, Any]) -> MlaShape | None:
 
 
 def _moe(cfg: dict[str, Any], num_layers: int) -> MoeShape | None:
-    """DeepSeek (n_routed_experts), Mixtral (num_local_experts) and Qwen-MoE (num_experts) styles."""
+    """DeepSeek (n_routed_experts), Mixtral (num_local_experts) and Qwen-MoE (num_experts) styles.
+
+    The families the engine runs are read through its own ``MoeConfig`` (which layers are sparse,
+    the experts' width), so the planner sizes what the engine builds."""
+    arch = (cfg.get("architectures") or [""])[0]
+    engine = MoeConfig.from_hf(cfg, arch, num_layers)
+    if engine is not None:
+        return MoeShape(
+            num_experts=engine.num_experts,
+            experts_per_token=engine.experts_per_token,
+            expert_intermediate_size=engine.expert_intermediate_size,
+            shared_intermediate_size=engine.shared_intermediate_size,
+            num_moe_layers=sum(engine.is_sparse(i) for i in range(num_layers)),
+            router_bias=False,
+            shared_gate=engine.shared_intermediate_size > 0,
+        )
     experts = cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts")
     if not experts:
         return None
@@ -197,7 +215,8 @@ def _attention_matrices(s: ModelShape) -> tuple[tuple[Matrix, ...], int]:
     q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
     mats = (Matrix("q_proj", q, h, n), Matrix("k_proj", kv, h, n), Matrix("v_proj", kv, h, n),
             Matrix("o_proj", h, q, n))
-    vectors = n * (q + 2 * kv) * s.qkv_bias + n * 2 * s.head_dim * s.qk_norm
+    norm_width = q + kv if s.qk_norm_full else 2 * s.head_dim
+    vectors = n * (q + 2 * kv) * s.qkv_bias + n * norm_width * s.qk_norm
     return mats, vectors
 
 
@@ -227,6 +246,8 @@ def _mlp_matrices(s: ModelShape) -> tuple[tuple[Matrix, ...], int]:
     mats += _gated_mlp("expert", h, moe.expert_intermediate_size, n * moe.num_experts, routed=True)
     if moe.shared_intermediate_size:
         mats += _gated_mlp("shared_expert", h, moe.shared_intermediate_size, n)
+    if moe.shared_gate:
+        mats += (Matrix("shared_expert_gate", 1, h, n),)
     return mats, n * moe.num_experts * moe.router_bias
 
 

@@ -141,6 +141,42 @@ def test_parameter_counts_match_published_models():
     assert ds.active_params / 1e9 == pytest.approx(37, rel=0.03)
 
 
+def test_moe_parameter_counts_match_published_models():
+    mixtral = inventory(shape("Mixtral-8x7B-v0.1"))
+    assert mixtral.total_params / 1e9 == pytest.approx(46.7, rel=0.005)
+    assert mixtral.active_params / 1e9 == pytest.approx(12.9, rel=0.01)
+    qwen = inventory(shape("Qwen3-30B-A3B"))
+    assert qwen.total_params / 1e9 == pytest.approx(30.5, rel=0.005)
+    assert qwen.active_params / 1e9 == pytest.approx(3.3, rel=0.03)
+
+
+def test_qwen_moe_dense_layers_follow_the_engines_rule():
+    # decoder_sparse_step 2: layers 1, 3, ... route; mlp_only_layers takes two more out
+    s = shape("Qwen3-30B-A3B", decoder_sparse_step=2, mlp_only_layers=[1, 3])
+    assert s.moe.num_moe_layers == 22
+    dense = next(m for m in inventory(s).matrices if m.name == "mlp.gate_proj")
+    assert (dense.count, dense.rows) == (26, 6144)
+    q15 = shape("Qwen3-30B-A3B", architectures=["Qwen2MoeForCausalLM"], shared_expert_intermediate_size=5632)
+    names = {m.name: m for m in inventory(q15).matrices}
+    assert names["shared_expert.up_proj"].rows == 5632 and names["shared_expert_gate"].count == 48
+
+
+@pytest.mark.parametrize("name", ["Mixtral-8x7B-v0.1", "Qwen3-30B-A3B"])
+def test_moe_kv_sizing_equals_the_engine(name):
+    # every layer of these families attends with standard GQA: experts do not change the KV
+    from kvserve.config import CacheConfig, EngineConfig, ModelConfig
+    from kvserve.kv_cache.sizing import size_kv_cache
+
+    cfg = MODEL_TABLE[name]
+    budget = 3 * 1024**3
+    info = size_kv_cache(EngineConfig(dtype="bfloat16", cache=CacheConfig(kv_cache_memory_bytes=budget)),
+                         ModelConfig.from_hf(cfg))
+    p = plan(Setup(ModelShape.from_hf(cfg), H100, dtype="bfloat16", kv_cache_memory_bytes=budget), 4096, 1)
+    heads, dim = cfg["num_key_value_heads"], cfg.get("head_dim", 128)
+    assert p.kv_bytes_per_token == info.bytes_per_token == 2 * cfg["num_hidden_layers"] * heads * dim * 2
+    assert p.kv_capacity_tokens == info.capacity_tokens
+
+
 def test_quantized_weight_bytes():
     inv = inventory(shape("SmolLM2-135M"))
     assert weight_bytes(inv, "float32", "q4_1").total == SMOL_GGUF_TENSOR_BYTES

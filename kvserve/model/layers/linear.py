@@ -19,6 +19,8 @@ class Linear(torch.nn.Module):
 
     # Whether rows of W are looked up (token embeddings): a method must then keep W as stored.
     row_lookup = False
+    # Whether a quantization option may change this layer's storage (a MoE router may not).
+    quantizable = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  shards: dict[str, tuple[int, int]] | None = None, gated: bool = False) -> None:

@@ -75,10 +75,12 @@ class MLP(torch.nn.Module):
 
 
 class DecoderLayer(torch.nn.Module):
+    attention_class: type[Attention] = Attention
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, dtype, layer)
-        self.mlp = MLP(cfg, dtype)
+        self.self_attn = self.attention_class(cfg, dtype, layer)
+        self.mlp = self.make_mlp(cfg, dtype, layer)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -93,12 +95,16 @@ class DecoderLayer(torch.nn.Module):
         h = self.post_attention_layernorm(self.self_attn(positions, h, rotary, kv_cache, meta, backend), residual)
         return self.mlp(h), residual
 
+    def make_mlp(self, cfg: ModelConfig, dtype: torch.dtype, layer: int) -> torch.nn.Module:
+        """This layer's MLP: a module from [T, hidden] to [T, hidden] (mixture-of-experts families swap it)."""
+        return MLP(cfg, dtype)
+
 
 class Backbone(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, layer_class: type[DecoderLayer] = DecoderLayer) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = torch.nn.ModuleList(DecoderLayer(cfg, dtype, i) for i in range(cfg.num_layers))
+        self.layers = torch.nn.ModuleList(layer_class(cfg, dtype, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
@@ -106,11 +112,12 @@ class LlamaForCausalLM(torch.nn.Module):
     """Parameter names follow Hugging Face checkpoints, except the fused qkv/gate_up projections."""
 
     fused_decode = True  # llama_decode.py may run its pure decode steps as one C++ call
+    layer_class: type[DecoderLayer] = DecoderLayer
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = cfg
-        self.model = Backbone(cfg, dtype)
+        self.model = Backbone(cfg, dtype, self.layer_class)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
         # The output head reads the final norm's output: column j is scaled by that norm's weight j.

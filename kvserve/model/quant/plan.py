@@ -45,7 +45,7 @@ def assign_quant_methods(model: torch.nn.Module, quantization: str | None, group
     """
     QuantConfig(quantization, group_size)  # validates
     for name, layer in model.named_modules():
-        if isinstance(layer, Linear):
+        if isinstance(layer, Linear) and layer.quantizable:
             method = _method_for(name, layer, quantization, group_size, gguf_types)
             if method is not None:
                 layer.set_method(method)

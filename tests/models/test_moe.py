@@ -1,0 +1,96 @@
+"""Mixture-of-experts families match transformers token for token: Mixtral (renormalised float32
+routing weights), Qwen3-MoE (q/k norm per head, dense layers by decoder_sparse_step and
+mlp_only_layers, norm_topk_prob), Qwen2-MoE (q/k/v bias, a sigmoid-gated shared expert) and OLMoE
+(q/k norm over the whole projection, clip_qkv); under chunked prefill, a prefix-cache hit,
+preemption and n-gram speculation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from tests.conftest import TINY_VOCAB, assert_no_leak, make_tiny_model
+from tests.models.reference import check_greedy_matches, load_hf
+
+FAMILIES = {
+    "mixtral": ("MixtralForCausalLM", dict(num_local_experts=8, num_experts_per_tok=2)),
+    # 4 layers, sparse every 2nd (1 and 3) but layer 3 kept dense: only layer 1 routes
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(num_hidden_layers=4, num_experts=8, num_experts_per_tok=3,
+                                              moe_intermediate_size=32, decoder_sparse_step=2,
+                                              mlp_only_layers=[3], norm_topk_prob=True)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                                              shared_expert_intermediate_size=96, norm_topk_prob=False)),
+    "olmoe": ("OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, clip_qkv=1.0, pad_token_id=0)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def tiny_moe(request, tmp_path_factory):
+    arch, overrides = FAMILIES[request.param]
+    path = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{request.param}"), arch, **overrides)
+    return request.param, path, load_hf(path)
+
+
+def _prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _check(hf, llm, prompts, max_tokens=20) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    outs = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    compared = sum(check_greedy_matches(hf, p, out) for p, out in zip(prompts, outs))
+    assert compared >= len(prompts) * max_tokens // 2
+    return outs
+
+
+def test_moe_matches_transformers(tiny_moe):
+    family, path, hf = tiny_moe
+    llm = LLM(model=str(path), num_kv_blocks=256, block_size=4, max_num_batched_tokens=24)
+    model, cfg = llm.engine.core.runner.model, llm.engine.core.model_config
+    moe = cfg.moe
+    if family == "qwen3_moe":
+        assert moe.sparse_layers == (False, True, False, False) and moe.renormalize and cfg.qk_norm
+    if family == "qwen2_moe":
+        assert moe.shared_intermediate_size == 96 and cfg.attention_bias and not moe.renormalize
+    if family == "mixtral":
+        assert moe.renormalize and moe.float32_weights
+    if family == "olmoe":
+        assert cfg.clip_qkv == 1.0 and model.model.layers[0].self_attn.q_norm.weight.numel() == cfg.hidden_size
+    assert llm.engine.core.runner.fused_decoder is None
+    prompts = _prompts(5, 5, 50, seed=1)
+    prompts.append(prompts[4][:32] + [5, 6, 7])  # a prefix-cache hit
+    _check(hf, llm, prompts)
+    assert llm.engine.core.kv_cache.prefix_stats.hits > 0
+    assert_no_leak(llm)
+
+
+def test_moe_preemption_and_ngram_speculation(tiny_moe):
+    family, path, hf = tiny_moe
+    # 24 blocks of 4 tokens cannot hold 8 requests of ~40-70 tokens at once: requests get preempted
+    small = LLM(model=str(path), num_kv_blocks=24, block_size=4, max_num_batched_tokens=64)
+    _check(hf, small, _prompts(8, 20, 40, seed=2), max_tokens=30)
+    assert small.engine.core.scheduler.num_preemptions > 0
+    assert_no_leak(small)
+    # repeated n-grams give the proposer something to guess; verification keeps greedy output exact
+    spec = LLM(model=str(path), num_kv_blocks=256, block_size=4, speculative_method="ngram",
+               num_speculative_tokens=3)
+    shared = [7, 8, 9, 10] * 6
+    _check(hf, spec, [shared + [11, 12], shared + [13], _prompts(1, 20, 30, seed=3)[0] * 2])
+    assert spec.engine.core.spec.stats.proposed > 0
+    assert_no_leak(spec)
+
+
+def test_moe_int8_quantizes_experts_but_not_the_router(tmp_path):
+    arch, overrides = FAMILIES["qwen2_moe"]
+    path = make_tiny_model(tmp_path, arch, **overrides)
+    llm = LLM(model=str(path), num_kv_blocks=64, block_size=4, quantization="int8")
+    block = llm.engine.core.runner.model.model.layers[0].mlp
+    assert block.gate.method.name == block.shared_expert_gate.method.name == "dense"
+    assert all(e.down_proj.method.name.startswith("int8") for e in block.experts)
+    outs = llm.generate(_prompts(3, 5, 20, seed=4), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                        use_tqdm=False)
+    assert all(len(o.token_ids) == 8 for o in outs)
+    assert_no_leak(llm)

@@ -1,0 +1,111 @@
+"""The MoE block (model/layers/moe.py): routing equals transformers' routers, the grouped expert
+computation equals transformers' sparse blocks, and each active expert runs once per forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.config import MoeConfig
+from kvserve.model.layers.moe import SparseMoeBlock, route
+
+HIDDEN = 32
+
+
+def _hf_block(model_type: str, dtype: torch.dtype, **overrides):
+    from transformers import AutoConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    blocks = {"mixtral": MixtralSparseMoeBlock, "qwen2_moe": Qwen2MoeSparseMoeBlock,
+              "qwen3_moe": Qwen3MoeSparseMoeBlock}
+    cfg = AutoConfig.for_model(model_type, hidden_size=HIDDEN, intermediate_size=48, moe_intermediate_size=48,
+                               num_experts_per_tok=2, **overrides)
+    torch.manual_seed(0)
+    block = blocks[model_type](cfg).to(dtype).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.3)
+    return block
+
+
+def _ours(hf, moe: MoeConfig, dtype: torch.dtype) -> SparseMoeBlock:
+    block = SparseMoeBlock(HIDDEN, moe, dtype)
+    inter = moe.expert_intermediate_size
+    with torch.no_grad():
+        block.gate.weight.copy_(hf.gate.weight)
+        for e, expert in enumerate(block.experts):
+            expert.gate_up_proj.weight.copy_(hf.experts.gate_up_proj[e])
+            expert.down_proj.weight.copy_(hf.experts.down_proj[e])
+        if moe.shared_intermediate_size:
+            s = hf.shared_expert
+            block.shared_expert.gate_up_proj.weight.copy_(torch.cat([s.gate_proj.weight, s.up_proj.weight]))
+            block.shared_expert.down_proj.weight.copy_(s.down_proj.weight)
+            block.shared_expert_gate.weight.copy_(hf.shared_expert_gate.weight)
+    assert block.experts[0].gate_up_proj.weight.shape == (2 * inter, HIDDEN)
+    return block
+
+
+CASES = {
+    "mixtral": (dict(num_local_experts=8), MoeConfig(8, 2, 48, renormalize=True, float32_weights=True)),
+    "qwen3_moe": (dict(num_experts=8, norm_topk_prob=False), MoeConfig(8, 2, 48)),
+    "qwen3_moe_norm": (dict(num_experts=8, norm_topk_prob=True), MoeConfig(8, 2, 48, renormalize=True)),
+    "qwen2_moe": (dict(num_experts=6, shared_expert_intermediate_size=40),
+                  MoeConfig(6, 2, 48, shared_intermediate_size=40)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_matches_transformers(case, dtype):
+    overrides, moe = CASES[case]
+    hf = _hf_block(case.removesuffix("_norm"), dtype, **overrides)
+    ours = _ours(hf, moe, dtype)
+    x = torch.randn(1, 40, HIDDEN, dtype=dtype)
+    with torch.no_grad():
+        _, hf_weights, hf_ids = hf.gate(x[0])
+        weights, ids = route(ours.gate(x[0]), moe.experts_per_token, moe.renormalize, moe.float32_weights)
+        assert torch.equal(ids, hf_ids)
+        assert weights.dtype == hf_weights.dtype
+        torch.testing.assert_close(weights, hf_weights, rtol=0, atol=0)
+        # bf16: bitwise (the same kernels); float32: the CPU kernels sum in another order
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0, atol=0)
+        torch.testing.assert_close(ours(x[0]), hf(x)[0], **tol)
+
+
+def test_each_active_expert_runs_once_per_forward():
+    moe = MoeConfig(8, 2, 48)
+    block = SparseMoeBlock(HIDDEN, moe, torch.float32)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.3)
+    calls = [0] * moe.num_experts
+    rows = [0] * moe.num_experts
+    for e, expert in enumerate(block.experts):
+        def hook(module, args, e=e):
+            calls[e] += 1
+            rows[e] += args[0].shape[0]
+        expert.register_forward_pre_hook(hook)
+    x = torch.randn(32, HIDDEN)  # a decode step at batch 32
+    with torch.no_grad():
+        _, ids = route(block.gate(x), 2, False, False)
+        block(x)
+    chosen = torch.bincount(ids.flatten(), minlength=moe.num_experts).tolist()
+    assert rows == chosen  # every (token, expert) pair went to its expert
+    assert calls == [1 if n else 0 for n in chosen]  # one matmul per active expert, none for idle ones
+    assert sum(calls) >= 2
+
+
+def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers():
+    cfg = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "decoder_sparse_step": 2,
+           "mlp_only_layers": [3]}
+    moe = MoeConfig.from_hf(cfg, "Qwen3MoeForCausalLM", 6)
+    assert moe.sparse_layers == (False, True, False, False, False, True)
+    mixtral = MoeConfig.from_hf({"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16},
+                                "MixtralForCausalLM", 2)
+    assert mixtral.renormalize and mixtral.expert_intermediate_size == 16 and mixtral.sparse_layers == (True, True)
+    assert MoeConfig.from_hf(cfg, "LlamaForCausalLM", 6) is None
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        MoeConfig.from_hf({**cfg, "num_experts_per_tok": 5}, "Qwen3MoeForCausalLM", 6)
