@@ -74,3 +74,26 @@ def test_replicas_get_every_flag_but_the_front_ends():
     argv = ["model.gguf", "--port", "9000", "--host=0.0.0.0", "--data-parallel-size", "2", "--router=round-robin",
             "--distributed-backend", "ray", "--ray-address", "auto", "--api-key", "k", "--max-num-seqs", "8"]
     assert replica_argv(argv) == ["model.gguf", "--api-key", "k", "--max-num-seqs", "8"]
+
+
+def test_the_front_end_checks_the_key_and_the_body_size_before_any_replica():
+    from starlette.testclient import TestClient
+
+    from kvserve.entrypoints.cluster.proxy import Cluster, build_cluster_app
+    from kvserve.entrypoints.cluster.router import make_router
+
+    router = make_router("prefix-aware", 1)
+    router.mark_down(0)  # what passes the edge is answered 503: no replica is up
+    app = build_cluster_app(Cluster([], router, None, "k"), ("m",), max_request_bytes=1000,
+                            metrics_require_key=True)
+    with TestClient(app) as http:
+        small = {"model": "m", "prompt": [1, 2], "max_tokens": 2}
+        assert http.post("/v1/completions", json=small).status_code == 401
+        assert http.get("/v1/models").status_code == 401
+        assert http.get("/metrics").status_code == 401
+        key = {"Authorization": "Bearer k"}
+        big = http.post("/v1/completions", headers=key, json={**small, "prompt": "x" * 2000})
+        assert big.status_code == 413 and big.json()["error"]["message"]
+        assert http.post("/v1/chat/completions", headers=key, json=small).status_code == 503
+        assert http.get("/v1/models", headers=key).json()["data"][0]["id"] == "m"
+        assert http.get("/health").status_code == 503

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -24,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.entrypoints.cluster.router import Router
 from kvserve.entrypoints.openai.errors import error_body, error_response
+from kvserve.entrypoints.openai.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from kvserve.types import VERSION
 
 logger = logging.getLogger("kvserve.cluster")
@@ -220,7 +220,8 @@ def _with_replica(sample: str, replica: int) -> str:
     return f"{name}{{{label}}}{rest}"
 
 
-def build_cluster_app(cluster: Cluster, model_names: tuple[str, ...]) -> FastAPI:
+def build_cluster_app(cluster: Cluster, model_names: tuple[str, ...], max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                      metrics_require_key: bool = False) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         task = asyncio.create_task(cluster.health_loop())
@@ -232,27 +233,20 @@ def build_cluster_app(cluster: Cluster, model_names: tuple[str, ...]) -> FastAPI
 
     app = FastAPI(title="kvserve (replicas)", version=VERSION, lifespan=lifespan)
 
-    def unauthorized(request: Request) -> Response | None:
-        if cluster.api_key is None:
-            return None
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), cluster.api_key.encode()):
-            return error_response(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                  code="invalid_api_key")
-        return None
+    # the replicas' own edge, in front: the key before the body is read, the body within its limit
+    app.add_middleware(RequestGuard, api_key=cluster.api_key, max_bytes=max_request_bytes,
+                       protect_metrics=metrics_require_key)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return unauthorized(request) or await cluster.forward(request, "/v1/completions")
+        return await cluster.forward(request, "/v1/completions")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return unauthorized(request) or await cluster.forward(request, "/v1/chat/completions")
+        return await cluster.forward(request, "/v1/chat/completions")
 
     @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        if (denied := unauthorized(request)) is not None:
-            return denied
+    async def models() -> Response:
         data = [{"id": name, "object": "model", "owned_by": "kvserve"} for name in model_names]
         return JSONResponse({"object": "list", "data": data})
 

@@ -42,7 +42,8 @@ def serve_cluster(args, argv: list[str], config, names: tuple[str, ...]) -> int:
     try:
         logger.info("replicas ready: %s; listening on http://%s:%d", ", ".join(r.url for r in replicas),
                     args.host, args.port)
-        app = build_cluster_app(Cluster(replicas, router, tokenizer, args.api_key), names)
+        app = build_cluster_app(Cluster(replicas, router, tokenizer, args.api_key), names, args.max_request_bytes,
+                                args.metrics_require_key)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                                timeout_graceful_shutdown=args.shutdown_timeout, access_log=False))
         server.run()
