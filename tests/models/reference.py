@@ -7,7 +7,11 @@ accepted and the comparison stops there (the continuations legitimately diverge)
 
 from __future__ import annotations
 
+import random
+
 import torch
+
+from tests.conftest import TINY_VOCAB, assert_no_leak
 
 TIE = 1e-4
 
@@ -33,3 +37,25 @@ def load_hf(path, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+
+
+def random_prompts(n: int, lo: int, hi: int, seed: int = 0, vocab: int = TINY_VOCAB) -> list[list[int]]:
+    """``n`` seeded prompts of ``lo``-``hi`` token ids (ids 0-2 left out: the special tokens)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def generate_and_check(llm, hf_model, prompts: list[list[int]], max_tokens: int = 24) -> list[list[int]]:
+    """Greedy outputs (EOS ignored), each transformers' continuation; most tokens really compared
+    (not cut short by a tie), and no KV block left held. Returns the token ids."""
+    from kvserve import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    compared = 0
+    for prompt, out in zip(prompts, outs):
+        assert len(out.token_ids) == max_tokens and out.finish_reason == "length"
+        compared += check_greedy_matches(hf_model, prompt, out.token_ids)
+    assert compared >= len(prompts) * max_tokens // 2  # really compared, not skipped as ties
+    assert_no_leak(llm)
+    return [o.token_ids for o in outs]

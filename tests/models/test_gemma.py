@@ -4,13 +4,11 @@ a RoPE base per layer type) match transformers token for token."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from kvserve import LLM, SamplingParams
-from tests.conftest import TINY_VOCAB, assert_no_leak, make_tiny_model
-from tests.models.reference import check_greedy_matches, load_hf
+from tests.conftest import assert_no_leak, make_tiny_model
+from tests.models.reference import check_greedy_matches, load_hf, random_prompts
 
 WINDOW = 16
 
@@ -23,10 +21,6 @@ def tiny_gemma2(tmp_path_factory):
                            final_logit_softcapping=3.0, tie_word_embeddings=True)
 
 
-def _prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_gemma2_matches_transformers(tiny_gemma2, backend):
@@ -38,7 +32,7 @@ def test_gemma2_matches_transformers(tiny_gemma2, backend):
     assert cfg.layer_windows == (WINDOW, None, WINDOW, None)
     assert llm.engine.core.kv_cache.window is None  # hybrid: full KV kept for every layer
     hf = load_hf(tiny_gemma2)
-    prompts = _prompts(5, 5, 50, seed=1)
+    prompts = random_prompts(5, 5, 50, seed=1)
     prompts.append(prompts[4][:32] + [5, 6, 7])  # a prefix-cache hit
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     compared = 0
@@ -78,7 +72,7 @@ def test_gemma3_matches_transformers(tiny_gemma3):
     assert cfg.qk_norm and cfg.local_rope.theta == 10000.0 and cfg.rope.theta == 1000000.0
     assert cfg.rope.rope_type == "linear"
     hf = load_hf(tiny_gemma3)
-    prompts = _prompts(5, 5, 50, seed=2)
+    prompts = random_prompts(5, 5, 50, seed=2)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     compared = 0
     for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):

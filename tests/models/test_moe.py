@@ -6,13 +6,11 @@ preemption and n-gram speculation."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from kvserve import LLM, SamplingParams
-from tests.conftest import TINY_VOCAB, assert_no_leak, make_tiny_model
-from tests.models.reference import check_greedy_matches, load_hf
+from tests.conftest import assert_no_leak, make_tiny_model
+from tests.models.reference import generate_and_check, load_hf, random_prompts
 
 FAMILIES = {
     "mixtral": ("MixtralForCausalLM", dict(num_local_experts=8, num_experts_per_tok=2)),
@@ -33,19 +31,6 @@ def tiny_moe(request, tmp_path_factory):
     return request.param, path, load_hf(path)
 
 
-def _prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def _check(hf, llm, prompts, max_tokens=20) -> list[list[int]]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    outs = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    compared = sum(check_greedy_matches(hf, p, out) for p, out in zip(prompts, outs))
-    assert compared >= len(prompts) * max_tokens // 2
-    return outs
-
-
 def test_moe_matches_transformers(tiny_moe):
     family, path, hf = tiny_moe
     llm = LLM(model=str(path), num_kv_blocks=256, block_size=4, max_num_batched_tokens=24)
@@ -60,9 +45,9 @@ def test_moe_matches_transformers(tiny_moe):
     if family == "olmoe":
         assert cfg.clip_qkv == 1.0 and model.model.layers[0].self_attn.q_norm.weight.numel() == cfg.hidden_size
     assert llm.engine.core.runner.fused_decoder is None
-    prompts = _prompts(5, 5, 50, seed=1)
+    prompts = random_prompts(5, 5, 50, seed=1)
     prompts.append(prompts[4][:32] + [5, 6, 7])  # a prefix-cache hit
-    _check(hf, llm, prompts)
+    generate_and_check(llm, hf, prompts, max_tokens=20)
     assert llm.engine.core.kv_cache.prefix_stats.hits > 0
     assert_no_leak(llm)
 
@@ -71,14 +56,15 @@ def test_moe_preemption_and_ngram_speculation(tiny_moe):
     family, path, hf = tiny_moe
     # 24 blocks of 4 tokens cannot hold 8 requests of ~40-70 tokens at once: requests get preempted
     small = LLM(model=str(path), num_kv_blocks=24, block_size=4, max_num_batched_tokens=64)
-    _check(hf, small, _prompts(8, 20, 40, seed=2), max_tokens=30)
+    generate_and_check(small, hf, random_prompts(8, 20, 40, seed=2), max_tokens=30)
     assert small.engine.core.scheduler.num_preemptions > 0
     assert_no_leak(small)
     # repeated n-grams give the proposer something to guess; verification keeps greedy output exact
     spec = LLM(model=str(path), num_kv_blocks=256, block_size=4, speculative_method="ngram",
                num_speculative_tokens=3)
     shared = [7, 8, 9, 10] * 6
-    _check(hf, spec, [shared + [11, 12], shared + [13], _prompts(1, 20, 30, seed=3)[0] * 2])
+    prompts = [shared + [11, 12], shared + [13], random_prompts(1, 20, 30, seed=3)[0] * 2]
+    generate_and_check(spec, hf, prompts, max_tokens=20)
     assert spec.engine.core.spec.stats.proposed > 0
     assert_no_leak(spec)
 
@@ -90,7 +76,7 @@ def test_moe_int8_quantizes_experts_but_not_the_router(tmp_path):
     block = llm.engine.core.runner.model.model.layers[0].mlp
     assert block.gate.method.name == block.shared_expert_gate.method.name == "dense"
     assert all(e.down_proj.method.name.startswith("int8") for e in block.experts)
-    outs = llm.generate(_prompts(3, 5, 20, seed=4), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
-                        use_tqdm=False)
+    outs = llm.generate(random_prompts(3, 5, 20, seed=4), SamplingParams(max_tokens=8, temperature=0,
+                                                                         ignore_eos=True), use_tqdm=False)
     assert all(len(o.token_ids) == 8 for o in outs)
     assert_no_leak(llm)

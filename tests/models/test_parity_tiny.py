@@ -2,59 +2,40 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from kvserve import LLM, SamplingParams
-from tests.conftest import TINY_VOCAB, assert_no_leak
-from tests.models.reference import check_greedy_matches, load_hf
-
-
-def _prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def _check_all(llm, hf, prompts, max_tokens=24):
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    outs = llm.generate(prompts, params)
-    compared = 0
-    for prompt, out in zip(prompts, outs):
-        assert len(out.token_ids) == max_tokens and out.finish_reason == "length"
-        compared += check_greedy_matches(hf, prompt, out.token_ids)
-    assert_no_leak(llm)
-    assert compared >= len(prompts) * max_tokens // 2  # most tokens were really compared, not skipped as ties
-    return outs
+from tests.conftest import assert_no_leak
+from tests.models.reference import generate_and_check, load_hf, random_prompts
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
 def test_batch_of_mixed_lengths_matches_transformers(fixture, request):
     path = request.getfixturevalue(fixture)
     llm, hf = LLM(model=str(path), num_kv_blocks=256, block_size=8), load_hf(path)
-    _check_all(llm, hf, _prompts(12, 1, 90))
+    generate_and_check(llm, hf, random_prompts(12, 1, 90))
 
 
 def test_chunked_prefill_matches_transformers(tiny_llama):
     # A 16-token budget forces every long prompt into chunks that share steps with decodes.
     llm = LLM(model=str(tiny_llama), num_kv_blocks=256, block_size=4, max_num_batched_tokens=16)
     hf = load_hf(tiny_llama)
-    outs = _check_all(llm, hf, _prompts(6, 20, 70, seed=1))
+    outs = generate_and_check(llm, hf, random_prompts(6, 20, 70, seed=1))
     baseline = LLM(model=str(tiny_llama), num_kv_blocks=256, block_size=4)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in baseline.generate(
-        _prompts(6, 20, 70, seed=1), SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))]
+    assert outs == [o.token_ids for o in baseline.generate(
+        random_prompts(6, 20, 70, seed=1), SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))]
 
 
 def test_preemption_matches_transformers(tiny_qwen2):
     # 24 blocks of 4 tokens cannot hold 8 requests of ~40-70 tokens at once: requests get preempted.
     llm = LLM(model=str(tiny_qwen2), num_kv_blocks=24, block_size=4, max_num_batched_tokens=64)
     hf = load_hf(tiny_qwen2)
-    _check_all(llm, hf, _prompts(8, 20, 40, seed=2), max_tokens=30)
+    generate_and_check(llm, hf, random_prompts(8, 20, 40, seed=2), max_tokens=30)
     assert llm.engine.core.scheduler.num_preemptions > 0
 
 
 def test_batched_sampling_equals_single_requests(tiny_llama):
-    prompts = _prompts(6, 5, 40, seed=3)
+    prompts = random_prompts(6, 5, 40, seed=3)
     params = [SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=100 + i, ignore_eos=True)
               for i in range(len(prompts))]
     llm = LLM(model=str(tiny_llama), num_kv_blocks=256, block_size=8)

@@ -9,8 +9,8 @@ import random
 import pytest
 
 from kvserve import LLM, SamplingParams
-from tests.conftest import TINY_VOCAB, assert_no_leak, make_tiny_model
-from tests.models.reference import check_greedy_matches, load_hf
+from tests.conftest import TINY_VOCAB, make_tiny_model
+from tests.models.reference import check_greedy_matches, generate_and_check, load_hf, random_prompts
 
 WINDOW = 18  # not a multiple of the block size
 ORIGINAL = 64  # LongRoPE's original context in the tiny model; its max_position_embeddings is 256
@@ -46,23 +46,6 @@ def hf_phi4_mini(tiny_phi4_mini):
     return load_hf(tiny_phi4_mini)
 
 
-def _prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def _check(llm, hf, prompts, max_tokens=20):
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    compared = 0
-    for prompt, out in zip(prompts, outs):
-        assert len(out.token_ids) == max_tokens
-        compared += check_greedy_matches(hf, prompt, out.token_ids)
-    assert compared >= len(prompts) * max_tokens // 2  # really compared, not skipped as ties
-    assert_no_leak(llm)
-    return [o.token_ids for o in outs]
-
-
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_phi3_matches_transformers(tiny_phi3, hf_phi3, backend):
     """Prompts longer than the window, chunked prefill (a 16-token budget) and a prefix-cache hit."""
@@ -74,15 +57,15 @@ def test_phi3_matches_transformers(tiny_phi3, hf_phi3, backend):
     assert cfg.layer_windows == (WINDOW, WINDOW) and llm.engine.core.kv_cache.window == WINDOW
     if backend == "torch" and llm.engine.core.runner.backend.kernels is not None:
         assert llm.engine.core.runner.fused_decoder is not None  # the split weights keep the fast path
-    prompts = _prompts(5, 5, 60, seed=1)
+    prompts = random_prompts(5, 5, 60, seed=1)
     prompts.append(prompts[1][:40] + [5, 6, 7])
-    _check(llm, hf_phi3, prompts)
+    generate_and_check(llm, hf_phi3, prompts, max_tokens=20)
     assert llm.engine.core.kv_cache.prefix_stats.hits > 0
 
 
 def test_phi3_preemption(tiny_phi3, hf_phi3):
     llm = LLM(model=str(tiny_phi3), num_kv_blocks=13, block_size=4, max_num_batched_tokens=32)
-    _check(llm, hf_phi3, _prompts(6, 40, 70, seed=5), max_tokens=30)
+    generate_and_check(llm, hf_phi3, random_prompts(6, 40, 70, seed=5), max_tokens=30)
     assert llm.engine.core.scheduler.num_preemptions > 0
 
 
@@ -94,7 +77,7 @@ def test_phi3_ngram_speculation(tiny_phi3, hf_phi3):
         prompts.append(motif * rng.randint(6, 10) + [rng.randrange(3, TINY_VOCAB)])
     llm = LLM(model=str(tiny_phi3), num_kv_blocks=256, block_size=4, speculative_method="ngram",
               num_speculative_tokens=3)
-    _check(llm, hf_phi3, prompts, max_tokens=32)
+    generate_and_check(llm, hf_phi3, prompts, max_tokens=32)
     assert llm.engine.core.spec.stats.proposed > 0
 
 
@@ -111,18 +94,18 @@ def test_longrope_long_factors_match_transformers(tiny_phi4_mini, hf_phi4_mini):
     uses them for sequences longer than 64 (all these prompts are), through chunked prefill, a
     prefix-cache hit, preemption and speculation."""
     llm = LLM(model=str(tiny_phi4_mini), num_kv_blocks=256, block_size=4, max_num_batched_tokens=32)
-    prompts = _prompts(4, ORIGINAL + 1, 110, seed=7)
+    prompts = random_prompts(4, ORIGINAL + 1, 110, seed=7)
     prompts.append(prompts[0][:72] + [5, 6, 7])
-    _check(llm, hf_phi4_mini, prompts)
+    generate_and_check(llm, hf_phi4_mini, prompts, max_tokens=20)
     assert llm.engine.core.kv_cache.prefix_stats.hits > 0
     small = LLM(model=str(tiny_phi4_mini), num_kv_blocks=40, block_size=4, max_num_batched_tokens=32)
-    _check(small, hf_phi4_mini, _prompts(4, ORIGINAL + 1, 90, seed=8), max_tokens=24)
+    generate_and_check(small, hf_phi4_mini, random_prompts(4, ORIGINAL + 1, 90, seed=8), max_tokens=24)
     assert small.engine.core.scheduler.num_preemptions > 0
     rng = random.Random(9)
     motifs = [[rng.randrange(3, TINY_VOCAB) for _ in range(4)] for _ in range(3)]
     spec = LLM(model=str(tiny_phi4_mini), num_kv_blocks=256, block_size=4, speculative_method="ngram",
                num_speculative_tokens=3)
-    _check(spec, hf_phi4_mini, [m * 20 for m in motifs], max_tokens=24)
+    generate_and_check(spec, hf_phi4_mini, [m * 20 for m in motifs], max_tokens=24)
     assert spec.engine.core.spec.stats.proposed > 0
 
 
@@ -131,14 +114,14 @@ def test_longrope_short_factors_match_transformers(tiny_phi4_mini, hf_phi4_mini)
     them for sequences of at most 64 tokens."""
     llm = LLM(model=str(tiny_phi4_mini), num_kv_blocks=256, block_size=4, max_num_batched_tokens=16,
               max_model_len=ORIGINAL)
-    _check(llm, hf_phi4_mini, _prompts(5, 5, ORIGINAL - 20, seed=10))
+    generate_and_check(llm, hf_phi4_mini, random_prompts(5, 5, ORIGINAL - 20, seed=10), max_tokens=20)
 
 
 def test_longrope_factor_sets_give_other_tokens(tiny_phi4_mini, hf_phi4_mini):
     """The test can fail: short sequences rotated with the long factors (max_model_len past the
     original context) are not transformers' short-factor tokens."""
     llm = LLM(model=str(tiny_phi4_mini), num_kv_blocks=256, block_size=4)
-    prompts = _prompts(4, 20, ORIGINAL - 24, seed=11)
+    prompts = random_prompts(4, 20, ORIGINAL - 24, seed=11)
     outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)
     with pytest.raises(AssertionError, match="kvserve chose"):
         for prompt, out in zip(prompts, outs):

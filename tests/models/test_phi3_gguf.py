@@ -14,8 +14,8 @@ import pytest
 from kvserve.config import CacheConfig, EngineConfig, QuantConfig
 from kvserve.engine.core import EngineCore
 from kvserve.types import SamplingParams
-from tests.conftest import TINY_VOCAB, make_tiny_model
-from tests.models.reference import check_greedy_matches, load_hf
+from tests.conftest import make_tiny_model
+from tests.models.reference import check_greedy_matches, load_hf, random_prompts
 
 gguf = pytest.importorskip("gguf")
 
@@ -91,10 +91,6 @@ def _core(path, **kw):
                                    **kw))
 
 
-def _prompts(n, lo, hi, seed):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
 
 @pytest.fixture(scope="module")
 def phi4_mini_folder(tmp_path_factory):
@@ -115,7 +111,7 @@ def test_phi4_mini_gguf_matches_transformers(phi4_mini_folder, tmp_path):
     assert cfg.rope.rope_type == "longrope" and cfg.rope.rotary_fraction == 0.75
     assert cfg.rope.original_max_position == ORIGINAL
     hf = load_hf(phi4_mini_folder)
-    prompts = _prompts(3, ORIGINAL + 1, 100, seed=1)  # the long factors: past the original context
+    prompts = random_prompts(3, ORIGINAL + 1, 100, seed=1)  # the long factors: past the original context
     compared = sum(check_greedy_matches(hf, p, o) for p, o in zip(prompts, _generate(core, prompts, 16)))
     assert compared >= len(prompts) * 16 // 2
 
@@ -125,7 +121,7 @@ def test_phi3_gguf_window_and_q8_blocks(tmp_path):
     dense = write_phi3_gguf(folder, tmp_path / "phi3-f32.gguf")
     core = _core(dense)
     assert core.model_config.layer_windows == (18, 18) and core.model_config.rope.rope_type == "default"
-    prompts = _prompts(3, 20, 60, seed=2)
+    prompts = random_prompts(3, 20, 60, seed=2)
     compared = sum(check_greedy_matches(load_hf(folder), p, o) for p, o in zip(prompts, _generate(core, prompts, 16)))
     assert compared >= len(prompts) * 16 // 2
     # Q8_0: the fused matrices' blocks split by rows into the int8 layers, not dequantized

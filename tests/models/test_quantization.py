@@ -4,24 +4,20 @@ prefix caching and speculative decoding, and the memory report."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.eval.perplexity import perplexity, sliding_windows
-from tests.conftest import TINY_VOCAB, assert_no_leak
+from tests.conftest import assert_no_leak
+from tests.models.reference import random_prompts
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 ALICE = Path(__file__).resolve().parents[1] / "data" / "alice29.txt"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Water boils at",
            "Here is a recipe for pancakes:", "The largest planet in the solar system is"]
 
-
-def _prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 def _tokens(llm, prompts, params=GREEDY) -> list[list[int]]:
@@ -80,7 +76,7 @@ def test_kv_quantized_decode_close_to_full_precision(tiny_llama, kv_dtype, tol):
     # Logprobs of the decoded tokens stay within ``tol`` of the full-precision cache's; where the
     # outputs part, the full-precision run had a near tie (its two best tokens within 2 * tol).
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2)
-    prompts = _prompts(8, 4, 60, seed=4)
+    prompts = random_prompts(8, 4, 60, seed=4)
     exact = LLM(model=str(tiny_llama), num_kv_blocks=256, block_size=8).generate(prompts, params)
     llm = LLM(model=str(tiny_llama), num_kv_blocks=256, block_size=8, kv_cache_dtype=kv_dtype)
     compared = 0
@@ -100,7 +96,7 @@ def test_kv_quantized_decode_close_to_full_precision(tiny_llama, kv_dtype, tol):
 def test_kv_quantized_preemption_and_chunked_prefill_change_nothing(tiny_qwen2, kv_dtype, weights):
     # Attention reads the cache's quantized values on every path, so recomputing after preemption and
     # prefilling in 16-token chunks give exactly the tokens of an unconstrained run.
-    prompts, params = _prompts(8, 20, 40, seed=2), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    prompts, params = random_prompts(8, 20, 40, seed=2), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     small = LLM(model=str(tiny_qwen2), num_kv_blocks=24, block_size=4, max_num_batched_tokens=16,
                 kv_cache_dtype=kv_dtype, quantization=weights)
     roomy = LLM(model=str(tiny_qwen2), num_kv_blocks=256, block_size=4, kv_cache_dtype=kv_dtype, quantization=weights)
@@ -135,7 +131,7 @@ def test_draft_model_speculation_with_quantized_weights_and_kv(tiny_llama):
     # in the normal step, so greedy output equals the non-speculative run.
     options = {"model": str(tiny_llama), "num_kv_blocks": 128, "block_size": 4, "quantization": "int8",
                "kv_cache_dtype": "fp8"}
-    prompts = _prompts(4, 8, 30, seed=5)
+    prompts = random_prompts(4, 8, 30, seed=5)
     want = _tokens(LLM(**options), prompts)
     spec = LLM(speculative_method="draft", speculative_model=str(tiny_llama), num_speculative_tokens=3, **options)
     assert _tokens(spec, prompts) == want

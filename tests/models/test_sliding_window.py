@@ -10,7 +10,7 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.kv_cache.sizing import max_window_blocks
 from tests.conftest import TINY_VOCAB, assert_no_leak, make_tiny_model
-from tests.models.reference import check_greedy_matches, load_hf
+from tests.models.reference import check_greedy_matches, generate_and_check, load_hf, random_prompts
 
 WINDOW = 18  # not a multiple of the block size: window starts fall inside blocks
 
@@ -25,21 +25,6 @@ def hf_mistral(tiny_mistral):
     return load_hf(tiny_mistral)
 
 
-def _prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def _check(llm, hf, prompts, max_tokens=24):
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    compared = 0
-    for prompt, out in zip(prompts, outs):
-        assert len(out.token_ids) == max_tokens
-        compared += check_greedy_matches(hf, prompt, out.token_ids)
-    assert compared >= len(prompts) * max_tokens // 2  # really compared, not skipped as ties
-    assert_no_leak(llm)
-    return [o.token_ids for o in outs]
 
 
 def test_window_is_read_from_the_config(tiny_mistral):
@@ -64,7 +49,7 @@ def test_full_attention_diverges_from_windowed_reference(tiny_mistral, hf_mistra
         cfg["sliding_window"] = None
         (full / "config.json").write_text(json.dumps(cfg))
         llm = LLM(model=str(full), num_kv_blocks=128, block_size=4)
-        prompts = _prompts(4, 50, 80, seed=11)
+        prompts = random_prompts(4, 50, 80, seed=11)
         outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
         with pytest.raises(AssertionError, match="kvserve chose"):
             for prompt, out in zip(prompts, outs):
@@ -79,27 +64,27 @@ def test_prompts_longer_than_the_window(tiny_mistral, hf_mistral, backend):
         pytest.importorskip("triton")
     llm = LLM(model=str(tiny_mistral), attention_backend=backend, num_kv_blocks=256, block_size=4,
               max_num_batched_tokens=16)
-    _check(llm, hf_mistral, _prompts(6, 5, 70, seed=1))
+    generate_and_check(llm, hf_mistral, random_prompts(6, 5, 70, seed=1))
 
 
 def test_unchunked_prefill_and_sdpa_path(tiny_mistral, hf_mistral, monkeypatch):
     """Whole prompts in one step, and the pure-PyTorch path (no C++ kernels) of the same backend."""
     llm = LLM(model=str(tiny_mistral), num_kv_blocks=256, block_size=8)
-    _check(llm, hf_mistral, _prompts(4, 20, 90, seed=2))
+    generate_and_check(llm, hf_mistral, random_prompts(4, 20, 90, seed=2))
     backend = llm.engine.core.runner.backend
     monkeypatch.setattr(backend, "kernels", None)
     llm.engine.core.runner.fused_decoder = None
-    _check(llm, hf_mistral, _prompts(4, 20, 90, seed=3))
+    generate_and_check(llm, hf_mistral, random_prompts(4, 20, 90, seed=3))
 
 
 def test_prefix_cache_hit_past_the_window(tiny_mistral, hf_mistral):
     """A second prompt shares 48 tokens with the first: its blocks come from the prefix cache, and
     those before its first chunk's window are released again at once."""
     llm = LLM(model=str(tiny_mistral), num_kv_blocks=256, block_size=4)
-    first = _prompts(1, 60, 60, seed=4)[0]
-    _check(llm, hf_mistral, [first])
+    first = random_prompts(1, 60, 60, seed=4)[0]
+    generate_and_check(llm, hf_mistral, [first])
     second = first[:48] + [7, 8, 9, 10, 11]
-    _check(llm, hf_mistral, [second])
+    generate_and_check(llm, hf_mistral, [second])
     stats = llm.engine.core.kv_cache.prefix_stats
     assert stats.hits >= 48
 
@@ -107,7 +92,7 @@ def test_prefix_cache_hit_past_the_window(tiny_mistral, hf_mistral):
 def test_preemption(tiny_mistral, hf_mistral):
     # windowed requests hold few blocks once decoding: 13 blocks run out while prompts are computed
     llm = LLM(model=str(tiny_mistral), num_kv_blocks=13, block_size=4, max_num_batched_tokens=32)
-    _check(llm, hf_mistral, _prompts(6, 40, 70, seed=5), max_tokens=30)
+    generate_and_check(llm, hf_mistral, random_prompts(6, 40, 70, seed=5), max_tokens=30)
     assert llm.engine.core.scheduler.num_preemptions > 0
 
 
@@ -119,7 +104,7 @@ def test_ngram_speculation(tiny_mistral, hf_mistral):
         prompts.append(motif * rng.randint(6, 10) + [rng.randrange(3, TINY_VOCAB)])
     llm = LLM(model=str(tiny_mistral), num_kv_blocks=256, block_size=4, speculative_method="ngram",
               num_speculative_tokens=3)
-    spec = _check(llm, hf_mistral, prompts, max_tokens=32)
+    spec = generate_and_check(llm, hf_mistral, prompts, max_tokens=32)
     plain = LLM(model=str(tiny_mistral), num_kv_blocks=256, block_size=4)
     assert spec == [o.token_ids for o in plain.generate(
         prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), use_tqdm=False)]
@@ -130,7 +115,7 @@ def test_parallel_samples_fork_within_the_window(tiny_mistral):
     """n > 1 forks followers from the first sample's blocks; a follower whose leader already
     released blocks it needs computes its prompt itself. Same tokens as separate requests."""
     llm = LLM(model=str(tiny_mistral), num_kv_blocks=256, block_size=4)
-    prompt = _prompts(1, 40, 40, seed=9)[0]
+    prompt = random_prompts(1, 40, 40, seed=9)[0]
     params = SamplingParams(max_tokens=20, temperature=0.8, seed=3, n=3, ignore_eos=True)
     outs = llm.generate([prompt], params, use_tqdm=False)[0]
     assert len(outs.outputs) == 3 and all(len(o.token_ids) == 20 for o in outs.outputs)
@@ -149,7 +134,7 @@ def test_kv_blocks_bounded_by_the_window(tiny_mistral, hf_mistral, monkeypatch):
     allocate = kv.allocate_slots
     monkeypatch.setattr(kv, "allocate_slots", lambda rid, *a, **k: allocate(rid, *a, **k) and (
         held.append(kv.num_held_blocks(rid)) or True))
-    prompt = _prompts(1, 10, 10, seed=10)[0]
+    prompt = random_prompts(1, 10, 10, seed=10)[0]
     max_tokens = 4 * WINDOW
     engine.add_request("r", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     last = None
