@@ -25,6 +25,18 @@ TINY_VOCAB = TINY_SHAPE["vocab_size"]
 make_tiny_model = write_random_model
 
 
+def check_report(out: Path, plots: tuple[str, ...], data_file: str = "results.json") -> tuple[str, dict]:
+    """A `kvserve bench ... --report` folder: ``plots`` are real PNGs, embedded in a report.html that
+    loads nothing from elsewhere; returns the page's text and the saved figures."""
+    import json
+
+    for name in plots:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    page = (out / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == len(plots) and 'src="http' not in page
+    return page, json.loads((out / data_file).read_text())
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """Llama with GQA (4 query heads, 2 KV heads)."""

@@ -8,11 +8,14 @@ a static batch is not counted as output.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
+from kvserve.bench.report import add_report_argument
 from kvserve.bench.workloads import BenchRequest, random_requests
 
 
@@ -97,9 +100,30 @@ def run(args) -> int:
     return 0
 
 
-def report(results: list[Result], args, dtype: str) -> None:
+def _rows(results: list[Result]) -> list[dict]:
     base = results[0].tokens_per_s
-    rows = [{**asdict(r), "tokens_per_s": r.tokens_per_s, "kvserve_speedup": base / r.tokens_per_s} for r in results]
+    return [{**asdict(r), "tokens_per_s": r.tokens_per_s, "kvserve_speedup": base / r.tokens_per_s} for r in results]
+
+
+def write_report(results: list[Result], args, dtype: str) -> Path:
+    from kvserve.bench.report import Page, Table, bar_chart, fmt, write_page
+
+    rows, out = _rows(results), Path(args.report)
+    bar_chart(out / "throughput.png", "Offline output throughput (EOS ignored)", "tokens/s",
+              [r["name"] for r in rows], {"tokens/s": [r["tokens_per_s"] for r in rows]})
+    table = Table(("engine", "requests", "output tokens", "seconds", "tokens/s", "kvserve x"),
+                  [(r["name"], r["requests"], r["output_tokens"], fmt(r["seconds"], 2), fmt(r["tokens_per_s"]),
+                    fmt(r["kvserve_speedup"], 2)) for r in rows])
+    described = (f"{args.num_requests} requests, prompts {args.prompt_min}-{args.prompt_max} tokens, outputs "
+                 f"{args.output_min}-{args.output_max} tokens, seed {args.workload_seed}, dtype {dtype}")
+    return write_page(Page("kvserve bench offline", described, [table], [("throughput.png", "Output throughput")],
+                           {"dtype": dtype, "num_requests": args.num_requests, "results": rows}), out)
+
+
+def report(results: list[Result], args, dtype: str) -> None:
+    rows = _rows(results)
+    if args.report:
+        print(f"report: {write_report(results, args, dtype)}", file=sys.stderr)
     if args.json:
         print(json.dumps({"dtype": dtype, "num_requests": args.num_requests, "results": rows}, indent=2))
         return
@@ -124,4 +148,5 @@ def add_parser(bench_sub) -> None:
                    help="transformers (a) runs this many of the requests one at a time (it is slow)")
     p.add_argument("--skip-hf", action="store_true", help="measure kvserve only")
     p.add_argument("--json", action="store_true")
+    add_report_argument(p, "output tokens/s of each engine")
     p.set_defaults(func=run)

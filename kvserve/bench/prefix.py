@@ -18,9 +18,11 @@ import math
 import random
 import sys
 import time
+from pathlib import Path
 
 from kvserve.bench.launch import ServerProcess
 from kvserve.bench.prefix_workloads import agentic_branches, multi_turn_chat, shared_system_prompt
+from kvserve.bench.report import add_report_argument
 from kvserve.bench.serving import RequestResult, Target, run_load, summarize
 from kvserve.bench.workloads import BenchRequest
 
@@ -69,7 +71,33 @@ def run(args) -> int:
     return 0
 
 
+def write_report(report: dict, args) -> Path:
+    from kvserve.bench.report import Page, Table, bar_chart, fmt, write_page
+
+    out = Path(args.report)
+    servers = {name: s for name, s in report.items() if isinstance(s, dict)}
+    names = list(servers)
+    bar_chart(out / "throughput.png", f"{args.workload}: output throughput", "tokens/s", names,
+              {"output tokens/s": [s["output_throughput"] for s in servers.values()]})
+    bar_chart(out / "ttft.png", f"{args.workload}: time to first token", "ms", names,
+              {k: [s["ttft"][f"{k}_ms"] for s in servers.values()] for k in ("mean", "p50", "p99")})
+    rows = [(name, f"{s['completed']}/{s['completed'] + s['failed']}", fmt(s["duration_s"]), fmt(s["output_throughput"]),
+             fmt(s["total_token_throughput"]), fmt(s["ttft"]["mean_ms"], 0), fmt(s["ttft"]["p50_ms"], 0),
+             fmt(s["ttft"]["p99_ms"], 0), fmt(s.get("prefix_cache_hit_rate"), 3)) for name, s in servers.items()]
+    tables = [Table(("server", "ok", "seconds", "output tok/s", "total tok/s", "TTFT mean ms", "TTFT p50 ms",
+                     "TTFT p99 ms", "prefix hit rate"), rows)]
+    if "throughput_ratio" in report:
+        tables.append(Table(("caching / no caching", "ratio"), [("throughput", fmt(report["throughput_ratio"], 2)),
+                                                                ("mean TTFT", fmt(report["mean_ttft_ratio"], 3))]))
+    described = f"workload {args.workload}, {args.max_tokens} output tokens per request, seed {args.workload_seed}"
+    return write_page(Page("kvserve bench prefix", described, tables,
+                           [("throughput.png", "Output throughput"), ("ttft.png", "Time to first token")],
+                           {"workload": args.workload, **report}), out)
+
+
 def _print(report: dict, args) -> None:
+    if args.report:
+        print(f"report: {write_report(report, args)}", file=sys.stderr)
     if args.json:
         print(json.dumps({"workload": args.workload, **report}, indent=2))
         return
@@ -101,6 +129,7 @@ def add_parser(bench_sub) -> None:
     p.add_argument("--vocab-size", type=int, default=49152)
     p.add_argument("--workload-seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
+    add_report_argument(p, "throughput and TTFT of each server")
     p.set_defaults(func=run)
 
 

@@ -22,10 +22,13 @@ dequantized) over seeded token-id prompts, greedy, EOS ignored:
 from __future__ import annotations
 
 import json
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
+from kvserve.bench.report import add_report_argument
 from kvserve.planner.capacity import Setup, kv_bytes_per_user
 from kvserve.planner.roofline import decode_step, prefill, prefill_batch, weight_bytes_read
 
@@ -225,6 +228,9 @@ def run(args) -> int:
     llm.generate(*_requests(llm, 1, 16, 4, args.seed), use_tqdm=False)  # warm-up: kernels, allocator
     rounds = run_single_rounds(llm, setup, args, device.split(":")[0])
     batched = [run_batched(llm, setup, b, args.prompt_len, args.output_len, args.seed) for b in batch_sizes]
+    if args.report:
+        print(f"report: {write_report(setup, threads.num_threads, rounds, batched, Path(args.report))}",
+              file=sys.stderr)
     report(setup, threads.num_threads, rounds, batched, args.json)
     return 0
 
@@ -233,20 +239,57 @@ def _single_json(single: SingleStream) -> dict:
     return {**asdict(single), "fraction": single.fraction, "effective_bandwidth": single.effective_bandwidth}
 
 
+def summary(setup: Setup, threads: int, rounds: list[SingleStream], batched: list[Batched]) -> dict:
+    """The figures, as `--json` prints them."""
+    hw, best, single = setup.hardware, max(batched, key=lambda b: b.output_tokens_per_s), median_round(rounds)
+    context = single.prompt_len + single.output_len // 2
+    return {
+        "machine": {"name": hw.name, "bandwidth": hw.bandwidth, "matmul_flops": hw.peak_flops(setup.dtype)},
+        "model": setup.model.name, "dtype": setup.dtype, "kv_cache_dtype": setup.kv_cache_dtype,
+        "engine_threads": threads,
+        "weight_bytes_per_step": weight_bytes_read(setup, 1), "flops_per_token": flops_per_token(setup, context),
+        "single_stream": _single_json(single),
+        "single_stream_rounds": [_single_json(r) for r in rounds],
+        "batched": [{**asdict(b), "flops_fraction": b.flops_fraction, "of_ceiling": b.of_ceiling} for b in batched],
+        "best_batch_size": best.batch_size}
+
+
+def write_report(setup: Setup, threads: int, rounds: list[SingleStream], batched: list[Batched], out: Path) -> Path:
+    from kvserve.bench.report import Page, Table, bar_chart, fmt, line_chart, write_page
+
+    sizes = [b.batch_size for b in batched]
+    line_chart(out / "batched.png", "Batched output throughput against the decode memory bound", "batch size",
+               "tokens/s", {"measured": (sizes, [b.output_tokens_per_s for b in batched]),
+                            "decode memory bound": (sizes, [b.decode_bound_tokens_per_s for b in batched])},
+               log2_x=len(sizes) > 1)
+    line_chart(out / "flops.png", "Achieved FLOP/s as a share of the matmul peak", "batch size", "% of peak",
+               {"achieved": (sizes, [100 * b.flops_fraction for b in batched]),
+                "roofline allows": (sizes, [100 * b.ceiling_fraction for b in batched])}, log2_x=len(sizes) > 1)
+    bar_chart(out / "single.png", "Single-stream decode against its memory bound, per round", "tokens/s",
+              [f"round {i + 1}" for i in range(len(rounds))],
+              {"measured": [r.decode_tokens_per_s for r in rounds], "memory bound": [r.bound_tokens_per_s for r in rounds]})
+    single = Table(("round", "decode tok/s", "copy GB/s", "memory bound tok/s", "of the bound"),
+                   [(f"round {i + 1}", fmt(r.decode_tokens_per_s), fmt(r.bandwidth / 1e9), fmt(r.bound_tokens_per_s),
+                     f"{100 * r.fraction:.0f}%") for i, r in enumerate(rounds)], "Single stream")
+    table = Table(("batch", "out tok/s", "decode bound", "achieved TFLOP/s", "of matmul peak", "roofline allows",
+                   "of that"),
+                  [(b.batch_size, fmt(b.output_tokens_per_s), fmt(b.decode_bound_tokens_per_s),
+                    fmt(b.achieved_flops / 1e12, 3), f"{100 * b.flops_fraction:.1f}%", f"{100 * b.ceiling_fraction:.1f}%",
+                    f"{100 * b.of_ceiling:.1f}%") for b in batched], "Batched")
+    hw = setup.hardware
+    described = (f"machine {hw.name}: copy bandwidth {hw.bandwidth / 1e9:.1f} GB/s, {setup.dtype} matmul "
+                 f"{hw.peak_flops(setup.dtype) / 1e12:.2f} TFLOP/s, engine threads {threads}; model "
+                 f"{setup.model.name} {setup.dtype} (KV cache {setup.kv_cache_dtype})")
+    return write_page(Page("kvserve bench roofline", described, [single, table],
+                           [("single.png", "Single stream"), ("batched.png", "Batched throughput"),
+                            ("flops.png", "Batched FLOP/s")], summary(setup, threads, rounds, batched)), out)
+
+
 def report(setup: Setup, threads: int, rounds: list[SingleStream], batched: list[Batched], as_json: bool) -> None:
     hw, best, single = setup.hardware, max(batched, key=lambda b: b.output_tokens_per_s), median_round(rounds)
     context = single.prompt_len + single.output_len // 2
     if as_json:
-        print(json.dumps({
-            "machine": {"name": hw.name, "bandwidth": hw.bandwidth, "matmul_flops": hw.peak_flops(setup.dtype)},
-            "model": setup.model.name, "dtype": setup.dtype, "kv_cache_dtype": setup.kv_cache_dtype,
-            "engine_threads": threads,
-            "weight_bytes_per_step": weight_bytes_read(setup, 1), "flops_per_token": flops_per_token(setup, context),
-            "single_stream": _single_json(single),
-            "single_stream_rounds": [_single_json(r) for r in rounds],
-            "batched": [{**asdict(b), "flops_fraction": b.flops_fraction, "of_ceiling": b.of_ceiling}
-                        for b in batched],
-            "best_batch_size": best.batch_size}, indent=2))
+        print(json.dumps(summary(setup, threads, rounds, batched), indent=2))
         return
     print(f"machine: {hw.name}: copy bandwidth {hw.bandwidth / 1e9:.1f} GB/s, "
           f"{setup.dtype} matmul {hw.peak_flops(setup.dtype) / 1e12:.2f} TFLOP/s; engine threads {threads}")
@@ -290,4 +333,5 @@ def add_parser(bench_sub) -> None:
     p.add_argument("--measure-seconds", type=float, default=1.0, help="time per machine measurement")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
+    add_report_argument(p, "single-stream and batched speed against their bounds")
     p.set_defaults(func=run)

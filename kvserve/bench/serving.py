@@ -25,7 +25,7 @@ from pathlib import Path
 import aiohttp
 from tqdm.auto import tqdm
 
-from kvserve.bench.report import Run, write_report
+from kvserve.bench.report import Run, add_report_argument, write_report
 from kvserve.bench.workloads import BenchRequest, random_requests
 
 _WORDS = ("the of and to in is was for on that with as by at from his her an they which or had are this be not "
@@ -325,9 +325,7 @@ def add_parser(bench_sub) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true", help="print the results as JSON (several runs: {\"runs\": [...]})")
-    p.add_argument("--report", default=None, metavar="DIR",
-                   help="write PNG plots and a self-contained report.html there (throughput against the load, "
-                        "TTFT and ITL distributions, the servers side by side)")
+    add_report_argument(p, "throughput against the load, TTFT and ITL distributions, the servers side by side")
     p.set_defaults(func=_validated_run)
 
 

@@ -12,8 +12,11 @@ outputs must be identical; sampled ones follow the same distribution but not the
 from __future__ import annotations
 
 import json
+import sys
 import time
+from pathlib import Path
 
+from kvserve.bench.report import add_report_argument
 from kvserve.bench.texts import CODE_PROMPTS, GROUNDED_TASKS, OPEN_QUESTIONS, PASSAGES
 
 
@@ -71,9 +74,12 @@ def run(args) -> int:
         rows.append({"concurrency": c, "plain_tokens_per_s": a["tokens_per_s"], "spec_tokens_per_s": b["tokens_per_s"],
                      "speedup": b["tokens_per_s"] / a["tokens_per_s"], "identical": identical,
                      **{k: b[k] for k in ("acceptance_rate", "mean_tokens_per_step", "proposed") if k in b}})
+    summary = {"workload": args.workload, "method": spec_opts["speculative_method"],
+               "k": fast.engine.config.speculative.num_speculative_tokens, "sampling": sampling, "results": rows}
+    if args.report:
+        print(f"report: {write_report(summary, fast.engine.config.dtype, Path(args.report))}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"workload": args.workload, "method": spec_opts["speculative_method"],
-                          "k": fast.engine.config.speculative.num_speculative_tokens, "sampling": sampling, "results": rows}, indent=2))
+        print(json.dumps(summary, indent=2))
         return 0
     print(f"workload {args.workload}, method {spec_opts['speculative_method']}, k={fast.engine.config.speculative.num_speculative_tokens}, "
           f"dtype {fast.engine.config.dtype}, temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}")
@@ -83,6 +89,29 @@ def run(args) -> int:
               f"tokens/step {r.get('mean_tokens_per_step', 0):.2f}, identical "
               f"{'n/a (sampled)' if r['identical'] is None else r['identical']}")
     return 0
+
+
+def write_report(summary: dict, dtype: str, out: Path) -> Path:
+    from kvserve.bench.report import Page, Table, fmt, line_chart, write_page
+
+    rows = summary["results"]
+    xs = [r["concurrency"] for r in rows]
+    line_chart(out / "throughput.png", "Output throughput against the concurrency", "concurrent requests", "tokens/s",
+               {"plain": (xs, [r["plain_tokens_per_s"] for r in rows]),
+                summary["method"]: (xs, [r["spec_tokens_per_s"] for r in rows])}, log2_x=len(xs) > 1)
+    line_chart(out / "acceptance.png", "Speculation: acceptance rate and tokens per verifying step",
+               "concurrent requests", "rate / tokens",
+               {"acceptance rate": (xs, [r.get("acceptance_rate") for r in rows]),
+                "tokens per step": (xs, [r.get("mean_tokens_per_step") for r in rows])}, log2_x=len(xs) > 1)
+    table = Table(("concurrency", "plain tok/s", "spec tok/s", "speedup", "acceptance", "tokens/step", "identical"),
+                  [(r["concurrency"], fmt(r["plain_tokens_per_s"]), fmt(r["spec_tokens_per_s"]), fmt(r["speedup"], 2),
+                    fmt(r.get("acceptance_rate"), 2), fmt(r.get("mean_tokens_per_step"), 2),
+                    "n/a (sampled)" if r["identical"] is None else r["identical"]) for r in rows])
+    s = summary["sampling"]
+    described = (f"workload {summary['workload']}, method {summary['method']}, k={summary['k']}, dtype {dtype}, "
+                 f"temperature {s['temperature']}, top_p {s['top_p']}, top_k {s['top_k']}")
+    return write_page(Page("kvserve bench spec", described, [table],
+                           [("throughput.png", "Output throughput"), ("acceptance.png", "Acceptance")], summary), out)
 
 
 def add_parser(bench_sub) -> None:
@@ -97,4 +126,5 @@ def add_parser(bench_sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
     p.add_argument("--top-k", type=int, default=0, help="top-k sampling (0: off)")
     p.add_argument("--json", action="store_true")
+    add_report_argument(p, "plain and speculative tokens/s, acceptance, against the concurrency")
     p.set_defaults(func=run)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.sample.number_bounds import bounded_numbers
 from kvserve.types import StructuredOutputs
 
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -106,7 +107,8 @@ def grammar_text(spec: StructuredOutputs) -> str:
             raise ValueError("structured_outputs json schema must be a JSON object")
         # Fixed separators, no free whitespace: a small model that keeps emitting newlines inside an
         # object would otherwise never finish it (and ", " / ": " are what models write anyway).
-        return LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+        # Numbers get a digit limit for the same reason (see number_bounds).
+        return LLMatcher.grammar_from_json_schema(bounded_numbers(schema), defaults=_JSON_OPTIONS)
     if spec.regex is not None:
         return LLMatcher.grammar_from_regex(spec.regex)
     if spec.choice is not None:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import TINY_VOCAB, make_tiny_model
+from tests.conftest import TINY_VOCAB, check_report, make_tiny_model
 from tests.e2e.server import ROOT, ServerProcess
 
 
@@ -68,11 +68,20 @@ def test_report_puts_servers_and_load_points_side_by_side(server, tmp_path):
     assert [(r["config"]["base_url"], r["config"]["max_concurrency"]) for r in runs] == \
         [(server.base_url, 1), (server.base_url, 4)] * 2
     assert all(r["completed"] == 4 and r["output_tokens"] == 48 for r in runs)
-    for name in ("throughput.png", "ttft.png", "itl.png"):
-        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
-    page = (out / "report.html").read_text()
-    assert page.count("data:image/png;base64,") == 3 and "src=\"http" not in page
+    page, saved = check_report(out, ("throughput.png", "ttft.png", "itl.png"), "runs.json")
     assert page.count("<td>first</td>") == 2 and page.count("<td>second</td>") == 2
     assert "concurrency 4" in page
-    saved = json.loads((out / "runs.json").read_text())
     assert [r["server"] for r in saved["runs"]] == ["first", "first", "second", "second"]
+
+
+def test_bench_prefix_writes_a_report(server, tmp_path):
+    out = tmp_path / "prefix-report"
+    cmd = [sys.executable, "-m", "kvserve.cli", "bench", "prefix", "--base-url", server.base_url, "--workload", "shared",
+           "--num-requests", "4", "--prefix-len", "24", "--max-tokens", "4", "--vocab-size", str(TINY_VOCAB),
+           "--json", "--report", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr + done.stdout
+    printed = json.loads(done.stdout)
+    page, saved = check_report(out, ("throughput.png", "ttft.png"))
+    assert saved == printed and saved["server"]["completed"] == 4
+    assert "<td>server</td><td>4/4</td>" in page and "workload shared" in page

@@ -1,6 +1,7 @@
 """The playground and the live dashboard in a real headless Chromium, against a real server on a tiny
 random model: a streamed reply appears, stop aborts the request and its KV blocks come back, the
-dashboard's numbers move under load, and both pages work behind an API key."""
+dashboard's numbers move under load, both pages work behind an API key, and behind a two-replica
+front end the dashboard shows one panel per replica."""
 
 from __future__ import annotations
 
@@ -126,16 +127,18 @@ def test_stop_aborts_the_request_and_frees_its_kv_blocks(server, browser):
     assert server.metric("kvserve:request_success_total", finished_reason="abort") >= 1
 
 
-def _load(server, stop: threading.Event, concurrency: int = 6) -> None:
-    """Streams of greedy requests until ``stop`` is set, ``concurrency`` at a time."""
+def _load(server, stop: threading.Event, concurrency: int = 6, url: str | None = None) -> None:
+    """Streams of greedy requests until ``stop`` is set, ``concurrency`` at a time (to ``url``, else
+    the server's completions endpoint)."""
     headers = {"Authorization": f"Bearer {KEY}"}
+    url = url or server.url("/v1/completions")
 
     def worker(i: int) -> None:
         with httpx.Client(timeout=60, headers=headers) as http:
             while not stop.is_set():
                 body = {"model": "tiny", "prompt": [1 + i, 2, 3, 4] * (8 + 4 * i), "max_tokens": 64,
                         "temperature": 0, "ignore_eos": True}
-                http.post(server.url("/v1/completions"), json=body)
+                http.post(url, json=body)
 
     threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(concurrency)]
     for t in threads:
@@ -159,11 +162,53 @@ def test_dashboard_numbers_move_under_load(server, browser):
               and not d.find_element(By.ID, "blockinfo").text.startswith("512 blocks × 8 tokens: 0 in use"))
         assert browser.find_element(By.ID, "v-ttft").text.endswith("ms")
         time.sleep(2)  # a few samples of history on the charts
-        assert browser.execute_script("return series.t.length") >= 4
-        assert max(browser.execute_script("return series.decode")) > 0
+        assert browser.execute_script("return panels.main.series.t.length") >= 4
+        assert max(browser.execute_script("return panels.main.series.decode")) > 0
     finally:
         stop.set()
         for t in threads:
             t.join(60)
     _wait(browser, lambda d: d.find_element(By.ID, "v-running").text == "0")
     _wait(browser, lambda d: float(d.find_element(By.ID, "v-gen").text) == 0.0)
+
+
+def _text(browser, element_id: str) -> str:
+    found = browser.find_elements(By.ID, element_id)
+    return found[0].text if found else ""
+
+
+@pytest.mark.slow
+def test_dashboard_behind_a_front_end_has_a_panel_per_replica(model_dir, browser):
+    import psutil
+
+    args = [str(model_dir), *ENGINE_ARGS, "--served-model-name", "tiny", "--api-key", KEY,
+            "--data-parallel-size", "2", "--distributed-backend", "mp"]
+    with ServerProcess(args, startup_timeout=600) as front:
+        replicas = httpx.get(front.url("/health"), timeout=10).json()["replicas"]
+        _open(browser, front, "/dashboard")
+        _wait(browser, lambda d: d.find_element(By.ID, "status").text == "live")
+        for i in (0, 1):
+            _wait(browser, lambda d, i=i: _text(d, f"r{i}-v-gen") not in ("–", ""))
+            assert _text(browser, f"r{i}-name") == f"Replica {i}" and _text(browser, f"r{i}-state") == "live"
+            _wait(browser, lambda d, i=i: "512 blocks × 8 tokens: 0 in use" in _text(d, f"r{i}-blockinfo"))
+        assert not browser.find_elements(By.ID, "v-gen"), "no panel of the front end's own"
+        # load on replica 1 alone (straight to its port): only its panel moves
+        stop = threading.Event()
+        threads = _load(front, stop, concurrency=3, url=replicas[1]["url"] + "/v1/completions")
+        try:
+            _wait(browser, lambda d: int(_text(d, "r1-v-running") or 0) > 0 and float(_text(d, "r1-v-gen") or 0) > 0)
+            assert browser.execute_script("return Math.max(...panels[0].series.running)") == 0
+            assert float(_text(browser, "r0-v-gen")) == 0.0
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(60)
+        # a replica that dies is shown as down; the other's panel stays live
+        pid = next(p.pid for p in psutil.Process(front.proc.pid).children(recursive=True)
+                   if any(c.laddr.port == int(replicas[0]["url"].rsplit(":", 1)[1]) and c.status == psutil.CONN_LISTEN
+                          for c in p.net_connections("tcp")))
+        psutil.Process(pid).kill()
+        _wait(browser, lambda d: _text(d, "r0-state").startswith("down"))
+        seen = browser.execute_script("return panels[1].series.t.length")
+        _wait(browser, lambda d: d.execute_script("return panels[1].series.t.length") > seen + 2)
+        assert _text(browser, "r1-state") == "live" and _text(browser, "status") == "live"

@@ -14,7 +14,7 @@ from kvserve.sample import sampler as sampler_module
 from kvserve.sample.rejection import verify_sampled
 from kvserve.sample.sampler import filtered_probs, row_probs
 from kvserve.spec_decode.ngram import ngram_lookup
-from tests.conftest import TINY_VOCAB, assert_no_leak, make_tiny_model
+from tests.conftest import TINY_VOCAB, assert_no_leak, check_report, make_tiny_model
 
 
 def _llm(path, spec: SpeculativeConfig | None = None, **kw) -> LLM:
@@ -184,11 +184,15 @@ def test_bench_spec_runs_greedy_and_sampled(tmp_path_factory, capsys, sampling):
     config_file = path / "tokenizer_config.json"
     template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "chat_template": template}))
+    out = tmp_path_factory.mktemp("spec-report")
     args = build_parser().parse_args(["bench", "spec", "--model", str(path), "--dtype", "float32", "--block-size", "8",
-                                      "--num-kv-blocks", "512", "--concurrency", "2", "--max-tokens", "8", "--json",
-                                      *sampling])
+                                      "--num-kv-blocks", "512", "--concurrency", "1", "2", "--max-tokens", "8", "--json",
+                                      "--report", str(out), *sampling])
     assert args.func(args) == 0
     report = json.loads(capsys.readouterr().out)
+    page, saved = check_report(out, ("throughput.png", "acceptance.png"))
+    assert saved == report and page.count("<tr><td>") == 2
+    assert ("n/a (sampled)" in page) is bool(sampling)
     row = report["results"][0]
     assert row["identical"] is (None if sampling else True)
     assert report["sampling"]["temperature"] == (0.8 if sampling else 0.0)

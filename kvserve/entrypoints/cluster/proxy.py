@@ -5,7 +5,8 @@ so streams come back token by token and a client that goes away closes the repli
 which aborts the request there. A replica that fails before it has sent anything is marked down
 and the request is tried once more elsewhere; one that fails mid-stream ends the stream with an
 error event and ``[DONE]``. A health loop marks replicas down and up again as /health answers.
-``/metrics`` merges the replicas' metrics under a ``replica`` label, with the router's own.
+``/metrics`` merges the replicas' metrics under a ``replica`` label, with the router's own; the
+playground and the dashboard are served here too, the dashboard with one panel per replica (events.py).
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvserve.entrypoints.cluster.events import EventsRelay
 from kvserve.entrypoints.cluster.router import Router
 from kvserve.entrypoints.openai.errors import error_body, error_response
 from kvserve.entrypoints.openai.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
+from kvserve.entrypoints.web.routes import pages, static_files
+from kvserve.entrypoints.web.sampler import MAX_INTERVAL_S, MIN_INTERVAL_S
 from kvserve.types import VERSION
 
 logger = logging.getLogger("kvserve.cluster")
@@ -249,6 +253,16 @@ def build_cluster_app(cluster: Cluster, model_names: tuple[str, ...], max_reques
     async def models() -> Response:
         data = [{"id": name, "object": "model", "owned_by": "kvserve"} for name in model_names]
         return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/v1/engine/events", include_in_schema=False)
+    async def engine_events(request: Request, interval: float = Query(0.5, gt=0, le=MAX_INTERVAL_S)) -> Response:
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        relay = EventsRelay(cluster, max(interval, MIN_INTERVAL_S), headers)
+        return StreamingResponse(relay.stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    app.include_router(pages)
+    app.mount("/static", static_files(), name="static")
 
     @app.get("/health")
     async def health() -> Response:
