@@ -19,6 +19,7 @@ from kvserve.kv_cache.sizing import KVCacheInfo, max_window_blocks, size_kv_cach
 from kvserve.model.attention.backend import get_backend
 from kvserve.model.loader import auto_dtype, load_model, resolve_model_path
 from kvserve.model.quant.registry import describe_quantization, weight_bytes
+from kvserve.model.sharding import TensorShard
 from kvserve.request import Request, RequestStatus
 from kvserve.runtime.allocator import keep_freed_memory
 from kvserve.runtime.host_memory import check_fits
@@ -29,6 +30,7 @@ from kvserve.spec_decode.controller import SpeculativeController
 from kvserve.spec_decode.proposer import make_proposer
 from kvserve.types import FinishReason, SamplingParams, TokenLogprob
 from kvserve.worker.model_runner import ModelRunner, RunnerOutput
+from kvserve.worker.tensor_parallel import RankFailedError, TensorParallelRunner
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +93,10 @@ class EngineCore:
         self.config = config
         if device.type == "cpu":
             keep_freed_memory()  # large per-step tensors reuse heap memory: see runtime/allocator.py
+        tp = config.tensor_parallel_size
         model, self.model_config = load_model(self.model_path, config.torch_dtype, device,
-                                              config.quant.quantization, config.quant.group_size)
+                                              config.quant.quantization, config.quant.group_size,
+                                              shard=TensorShard(0, tp) if tp > 1 else None)
         self.kv_info = size_kv_cache(config, self.model_config)
         self.memory = MemoryReport.of(model, self.kv_info, config)
         log.info("memory: %s", self.memory.summary())
@@ -106,8 +110,13 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         backend = get_backend(device, config.cache.kv_cache_dtype, config.attention_backend)
         graphs = None if config.enforce_eager else (config.scheduler.max_num_seqs, self.max_model_len)
-        self.runner = ModelRunner(model, self.model_config, backend, self.kv_info.num_blocks, self.kv_info.block_size,
-                                  config.torch_dtype, device, config.seed, cuda_graphs=graphs)
+        if tp > 1:  # rank 0 of tp: the other ranks are started here with the same KV block layout
+            self.runner = TensorParallelRunner(model, self.model_path, config, backend, self.kv_info.num_blocks,
+                                               self.kv_info.block_size)
+        else:
+            self.runner = ModelRunner(model, self.model_config, backend, self.kv_info.num_blocks,
+                                      self.kv_info.block_size, config.torch_dtype, device, config.seed,
+                                      cuda_graphs=graphs)
         self.num_steps = 0
         self.num_batched_tokens = 0  # tokens computed over all steps (prompt chunks, decodes, proposals)
         self.failed: list[RequestFailedError] = []  # requests a step took out; the caller drains it
@@ -267,6 +276,8 @@ class EngineCore:
         KV). EngineFatalError once every request of MAX_FAILED_STEPS steps in a row has failed."""
         try:
             sampled = self.runner.execute(out)
+        except RankFailedError as error:  # no request's fault: the model is gone
+            raise EngineFatalError(str(error)) from error
         except Exception as error:  # noqa: BLE001 - sorted out below: one request's fault, or the engine's
             sampled = self._execute_each(out, error)
         else:
@@ -279,6 +290,8 @@ class EngineCore:
         for s in out.scheduled:
             try:
                 part = self.runner.execute(SchedulerOutput([s], block_copies=out.block_copies))
+            except RankFailedError as e:
+                raise EngineFatalError(str(e)) from e
             except Exception as e:  # noqa: BLE001 - this request is the one at fault
                 failed.append((s.request_id, e))
                 continue
