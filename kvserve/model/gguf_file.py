@@ -160,21 +160,6 @@ class GGUFBlocks:
     def take_rows(self, index: np.ndarray) -> GGUFBlocks:
         return GGUFBlocks(self.data[index], self.tensor_type, self.shape)
 
-    def narrow(self, dim: int, start: int, length: int) -> GGUFBlocks:
-        """Rows (dim 0) or columns (dim 1) ``start:start+length``, still undecoded; columns must fall on
-        block boundaries (tensor-parallel shards of a row-parallel layer)."""
-        if dim == 0:
-            return self[start:start + length]
-        import gguf
-
-        block = gguf.GGML_QUANT_SIZES[self.tensor_type][0]
-        if start % block or length % block:
-            raise ValueError(f"columns {start}:{start + length} of a {self.type_name} matrix do not fall on its "
-                             f"{block}-value block boundaries; load it dense (quantization='none')")
-        size = self.type_size
-        data = np.ascontiguousarray(self.data[:, start // block * size:(start + length) // block * size])
-        return GGUFBlocks(data, self.tensor_type, (self.shape[0], length))
-
     def __getitem__(self, rows: slice) -> GGUFBlocks:
         """A range of rows (``blocks[a:b]``), still undecoded."""
         data = self.data[rows]

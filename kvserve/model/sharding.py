@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import ModelConfig
-from kvserve.model.quant.registry import CheckpointTensor
+from kvserve.model.quant.registry import CheckpointTensor, InputSlice
 
 # Model classes whose layers the slicing rules below describe (o_proj / down_proj as the only
 # row-parallel projections, heads read from the config).
@@ -98,14 +98,13 @@ def _span(rank: int, length: int) -> tuple[int, int]:
 
 
 def _narrow(tensor: CheckpointTensor, dim: int, start: int, length: int, name: str) -> CheckpointTensor:
-    """Rows (dim 0) or columns (dim 1) ``start:start+length`` of a checkpoint tensor, as a copy."""
+    """Rows (dim 0) of a checkpoint tensor, or its columns (dim 1) as an ``InputSlice`` that the
+    layer's quantization method cuts (on its group boundaries where it can)."""
+    if dim == 1:
+        return InputSlice(tensor, start, length)
     if isinstance(tensor, torch.Tensor):
-        return tensor.narrow(dim, start, length).contiguous()
-    narrow = getattr(tensor, "narrow", None)
-    if narrow is None:
-        raise ValueError(f"checkpoint tensor {name!r} ({type(tensor).__name__}) cannot be sliced for tensor "
-                         "parallelism; load it dense (quantization='none')")
-    return narrow(dim, start, length)
+        return tensor[start:start + length].contiguous()
+    return tensor[start:start + length]  # GGUF blocks: whole rows of blocks
 
 
 def install_all_reduce(model: torch.nn.Module, all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
