@@ -101,7 +101,11 @@ class TensorParallelRunner(ModelRunner):
     def __init__(self, model: torch.nn.Module, model_path: Path, config: EngineConfig, backend: AttentionBackend,
                  num_blocks: int, block_size: int) -> None:
         world = config.tensor_parallel_size
-        device = rank_device(torch.device(config.device), 0)
+        base = torch.device(config.device)
+        if base.type == "cuda" and (base.index or 0) + world > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={world} needs one GPU per rank from {base}; "
+                             f"{torch.cuda.device_count()} visible")
+        device = rank_device(base, 0)
         self.world_size = world
         self._workers: list[tuple[multiprocessing.process.BaseProcess, object]] = []
         self._store_dir = tempfile.TemporaryDirectory(prefix="kvserve-tp-")

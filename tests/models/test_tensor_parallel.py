@@ -44,7 +44,6 @@ def _close(llm: LLM) -> None:
     llm.engine.core.runner.close()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
 def test_two_ranks_match_one(fixture, request):
     # llama: GQA, 2 KV heads split; qwen2: qkv bias, 1 KV head replicated; qwen3: q/k norm, tied head
@@ -62,7 +61,6 @@ def test_two_ranks_match_one(fixture, request):
     assert tokens == expected
 
 
-@pytest.mark.slow
 def test_two_ranks_match_one_with_ngram_speculation(tiny_llama):
     # Repeating prompts give the n-gram proposer matches; verification runs the same sharded forward.
     prompts = [(p * 4)[:40] for p in _prompts(4, 6, 10, seed=3)]
@@ -78,7 +76,6 @@ def test_two_ranks_match_one_with_ngram_speculation(tiny_llama):
     assert tokens == expected
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_two_ranks_match_one_quantized(tiny_llama, quantization):
     # Row-parallel layers split their inputs on group boundaries (32 of 64), so each rank quantizes
@@ -93,7 +90,6 @@ def test_two_ranks_match_one_quantized(tiny_llama, quantization):
     assert tokens == expected
 
 
-@pytest.mark.slow
 def test_three_ranks_match_one_on_gguf_blocks(default_llm):
     # The bundled Q4_1 GGUF (9 heads, 3 KV heads): each rank keeps the file's own 4-bit blocks, its
     # o_proj / down_proj inputs cut on 32-value block boundaries (192 of 576, 512 of 1536).
@@ -119,6 +115,47 @@ def test_dead_rank_is_a_fatal_error_not_a_hang(tiny_llama):
             llm.generate(_prompts(2, 5, 10, seed=5), GREEDY)
     finally:
         _close(llm)
+
+
+def test_hung_rank_times_out(tiny_llama, monkeypatch):
+    import kvserve.worker.tensor_parallel as tp
+
+    monkeypatch.setattr(tp, "COLLECTIVE_TIMEOUT_S", 2.0)  # rank 0's wait in an all-reduce
+    llm = _llm(tiny_llama, 2)
+    proc, _ = llm.engine.core.runner._workers[0]
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        with pytest.raises(EngineFatalError, match="all-reduce failed"):
+            llm.generate(_prompts(1, 5, 10, seed=6), GREEDY)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        _close(llm)
+
+
+def test_dead_rank_turns_server_health_red(tiny_llama):
+    import multiprocessing
+    import time
+
+    from starlette.testclient import TestClient
+
+    from kvserve.entrypoints.llm import engine_config
+    from kvserve.entrypoints.openai.app import ServerOptions, build_app
+
+    config = engine_config(model=str(tiny_llama), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+    app = build_app(config, ServerOptions(("tiny",)))
+    with TestClient(app) as http:
+        client = app.state.kvserve.client
+        deadline = time.monotonic() + 120
+        while not client.is_ready:
+            assert time.monotonic() < deadline, "the engine did not load"
+            time.sleep(0.05)
+        assert http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 4}).status_code == 200
+        worker = next(p for p in multiprocessing.active_children() if p.name == "kvserve-tp-rank1")
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        response = http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 4})
+        assert response.status_code == 503 and "rank 1" in response.json()["error"]["message"]
+        assert http.get("/health").status_code == 503
 
 
 def _config(heads: int, kv_heads: int, inter: int = 128) -> ModelConfig:
