@@ -11,6 +11,9 @@ Step messages go over a pipe per worker, not a collective: an idle worker then w
 without a collective timeout, and exits when rank 0 goes away (end of file). A worker that dies is
 seen by rank 0 before the next step (process liveness) or inside a step (the collective fails or
 times out): ``RankFailedError``, which the engine treats as fatal.
+
+The KV-cache budget is for all ranks together: every rank keeps the same blocks, each with its own
+heads' share (a KV head replicated on several ranks counts once in the budget, once per rank in memory).
 """
 
 from __future__ import annotations
@@ -128,7 +131,9 @@ class TensorParallelRunner(ModelRunner):
         self.all_reduce = _AllReduce(self.group, on_error=self._collective_failed)
         install_all_reduce(model, self.all_reduce)
         super().__init__(model, model.config, backend, num_blocks, block_size, config.torch_dtype, device, config.seed)
-        self.fused_decoder = None  # every step eager: the fused decoder has no all-reduce between its layers
+
+    def _build_fused_decoder(self):
+        return None  # every step eager: the fused decoder has no all-reduce between its layers
 
     def close(self) -> None:
         """Stop the worker processes (also done when the runner is collected, or rank 0 exits)."""
@@ -172,7 +177,14 @@ class TensorParallelRunner(ModelRunner):
 
     def _eager_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         self._send(("forward", _to_host(input_ids), _to_host(positions), _meta_to_host(meta)))
-        return super()._eager_forward(input_ids, positions, meta)
+        try:
+            return super()._eager_forward(input_ids, positions, meta)
+        except RankFailedError:
+            raise
+        except Exception as error:
+            # The other ranks are inside this step's collectives: rank 0 cannot take the step back.
+            raise RankFailedError(f"rank 0's forward pass failed mid-step ({error!r}); the tensor-parallel "
+                                  "ranks are out of step") from error
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         self._send(("copy_blocks", copies))

@@ -117,6 +117,23 @@ def test_dead_rank_is_a_fatal_error_not_a_hang(tiny_llama):
         _close(llm)
 
 
+def test_rank_zero_failing_mid_step_is_fatal(tiny_llama, monkeypatch):
+    # The other rank is already inside the step's collectives: retrying request by request would pair
+    # rank 0's all-reduces with the wrong ones.
+    llm = _llm(tiny_llama, 2)
+    try:
+        backend = llm.engine.core.runner.backend
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("simulated kernel failure")
+
+        monkeypatch.setattr(backend, "forward", broken)
+        with pytest.raises(EngineFatalError, match="out of step"):
+            llm.generate(_prompts(1, 5, 10, seed=7), GREEDY)
+    finally:
+        _close(llm)
+
+
 def test_hung_rank_times_out(tiny_llama, monkeypatch):
     import kvserve.worker.tensor_parallel as tp
 
