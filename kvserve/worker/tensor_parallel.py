@@ -199,7 +199,7 @@ def _stop_workers(workers, store_dir) -> None:
             pass
         conn.close()
     for proc, _ in workers:
-        proc.join(10)
+        proc.join(3)  # a healthy worker exits at once; one stuck in a collective is killed
         if proc.is_alive():
             proc.kill()
             proc.join(5)
