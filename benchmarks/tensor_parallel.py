@@ -2,7 +2,8 @@
 of a TP step that rank 0 spends in all-reduce (waiting for the other ranks included).
 
 All engines stay loaded and are measured in alternating rounds, so load from other processes
-falls on each alike; medians over rounds. The one-process engine runs with every thread
+falls on each alike; medians over rounds. A bare all-reduce between idle processes (the collective's own cost, no waiting for a rank
+still computing) is timed last. The one-process engine runs with every thread
 (``--threads``), each TP rank with ``threads / N``; a one-process engine without the fused C++
 decode step (which TP cannot use: the all-reduces sit between its layers) is a third column.
 
@@ -58,6 +59,40 @@ def measure(llm: LLM, timer: StepTimer, batch: int, prompt_len: int, new_tokens:
             "reduce_share": None if reduce is None else reduce.seconds / total}
 
 
+def _reduce_loop(store_path: str, rank: int, world: int, hidden: int, calls: int, out) -> None:
+    import torch
+
+    from kvserve.worker.tensor_parallel import _process_group
+
+    torch.set_num_threads(1)
+    group = _process_group(store_path, rank, world, torch.device("cpu"))
+    x = torch.ones(1, hidden)
+    for _ in range(20):
+        group.allreduce([x]).wait()
+    start = time.perf_counter()
+    for _ in range(calls):
+        group.allreduce([x]).wait()
+    if out is not None:
+        out.put((time.perf_counter() - start) / calls)
+
+
+def bare_all_reduce_seconds(world: int, hidden: int, calls: int = 2000) -> float:
+    """One all-reduce of a decode step's [1, hidden] float32 between idle processes: the collective's own cost."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    store = os.path.join(tempfile.mkdtemp(prefix="kvserve-tp-bench-"), "store")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_reduce_loop, args=(store, r, world, hidden, calls, out if r == 0 else None))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    seconds = out.get(timeout=300)
+    for p in procs:
+        p.join(30)
+    return seconds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp", type=int, default=2)
@@ -93,6 +128,10 @@ def main() -> None:
         for base in ("tp1", "tp1-eager"):
             print(f"  tp{args.tp}/{base}: decode {tp['decode'] / med[base]['decode']:.2f}x, "
                   f"prefill {tp['prefill'] / med[base]['prefill']:.2f}x")
+    bare = bare_all_reduce_seconds(args.tp, SHAPE["hidden_size"])
+    per_step = 2 * SHAPE["num_hidden_layers"]
+    print(f"bare all-reduce of [1, {SHAPE['hidden_size']}] float32 between {args.tp} idle processes: "
+          f"{bare * 1e6:.0f} us; x{per_step} per step = {bare * per_step * 1e3:.2f} ms")
     for llm in engines.values():
         runner = llm.engine.core.runner
         if hasattr(runner, "close"):
