@@ -433,6 +433,9 @@ class EngineConfig:
     enforce_eager: bool = option(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     num_threads: int | None = option(None, "torch threads for this process (default: $KVSERVE_NUM_THREADS, else "
                                      "every available core; runtime/threads.py)")
+    tensor_parallel_size: int = option(1, "processes that split the model's heads and MLP between them "
+                                       "(Megatron-style tensor parallelism, worker/tensor_parallel.py): gloo on "
+                                       "the CPU, NCCL on CUDA (one GPU per rank)")
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":
@@ -443,6 +446,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend={self.attention_backend!r} must be one of {ATTENTION_BACKENDS}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads={self.num_threads} must be >= 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
 
     @property
     def torch_dtype(self) -> torch.dtype:

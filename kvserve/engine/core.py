@@ -19,6 +19,7 @@ from kvserve.kv_cache.sizing import KVCacheInfo, max_window_blocks, size_kv_cach
 from kvserve.model.attention.backend import get_backend
 from kvserve.model.loader import auto_dtype, load_model, resolve_model_path
 from kvserve.model.quant.registry import describe_quantization, weight_bytes
+from kvserve.model.sharding import TensorShard
 from kvserve.request import Request, RequestStatus
 from kvserve.runtime.allocator import keep_freed_memory
 from kvserve.runtime.host_memory import check_fits
@@ -29,6 +30,7 @@ from kvserve.spec_decode.controller import SpeculativeController
 from kvserve.spec_decode.proposer import make_proposer
 from kvserve.types import FinishReason, SamplingParams, TokenLogprob
 from kvserve.worker.model_runner import ModelRunner, RunnerOutput
+from kvserve.worker.tensor_parallel import RankFailedError, TensorParallelRunner
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +93,11 @@ class EngineCore:
         self.config = config
         if device.type == "cpu":
             keep_freed_memory()  # large per-step tensors reuse heap memory: see runtime/allocator.py
+        tp = config.tensor_parallel_size
         model, self.model_config = load_model(self.model_path, config.torch_dtype, device,
                                               config.quant.quantization, config.quant.group_size,
-                                              config.scheduler.max_model_len)
+                                              config.scheduler.max_model_len,
+                                              shard=TensorShard(0, tp) if tp > 1 else None)
         self.kv_info = size_kv_cache(config, self.model_config)
         self.memory = MemoryReport.of(model, self.kv_info, config)
         log.info("memory: %s", self.memory.summary())
@@ -113,8 +117,13 @@ class EngineCore:
                                        config.cache.enable_prefix_caching, window=window, sinks=self.sinks)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         graphs = None if config.enforce_eager else (config.scheduler.max_num_seqs, self.max_model_len)
-        self.runner = ModelRunner(model, self.model_config, backend, self.kv_info.num_blocks, self.kv_info.block_size,
-                                  config.torch_dtype, device, config.seed, cuda_graphs=graphs)
+        if tp > 1:  # rank 0 of tp: the other ranks are started here with the same KV block layout
+            self.runner = TensorParallelRunner(model, self.model_path, config, backend, self.kv_info.num_blocks,
+                                               self.kv_info.block_size)
+        else:
+            self.runner = ModelRunner(model, self.model_config, backend, self.kv_info.num_blocks,
+                                      self.kv_info.block_size, config.torch_dtype, device, config.seed,
+                                      cuda_graphs=graphs)
         self.num_steps = 0
         self.num_batched_tokens = 0  # tokens computed over all steps (prompt chunks, decodes, proposals)
         self.failed: list[RequestFailedError] = []  # requests a step took out; the caller drains it
@@ -147,6 +156,8 @@ class EngineCore:
         if any(w is not None for w in self.model_config.layer_windows):
             raise ValueError("attention_sinks: this model has a sliding window of its own; sinks are for "
                              "models that attend fully")
+        if config.tensor_parallel_size > 1:
+            raise ValueError("attention_sinks does not combine with tensor_parallel_size > 1 yet")
         if backend.name != "torch":
             raise ValueError(f"attention_sinks needs attention_backend='torch'; this engine has {backend.name!r}")
         if config.speculative.method is not None:
@@ -299,6 +310,8 @@ class EngineCore:
         KV). EngineFatalError once every request of MAX_FAILED_STEPS steps in a row has failed."""
         try:
             sampled = self.runner.execute(out)
+        except RankFailedError as error:  # no request's fault: the model is gone
+            raise EngineFatalError(str(error)) from error
         except Exception as error:  # noqa: BLE001 - sorted out below: one request's fault, or the engine's
             sampled = self._execute_each(out, error)
         else:
@@ -311,6 +324,8 @@ class EngineCore:
         for s in out.scheduled:
             try:
                 part = self.runner.execute(SchedulerOutput([s], block_copies=out.block_copies))
+            except RankFailedError as e:
+                raise EngineFatalError(str(e)) from e
             except Exception as e:  # noqa: BLE001 - this request is the one at fault
                 failed.append((s.request_id, e))
                 continue

@@ -15,6 +15,7 @@ from kvserve.model import gguf_file
 from kvserve.model.default_model import verified_default_model_path
 from kvserve.model.quant.plan import assign_quant_methods
 from kvserve.model.registry import model_class
+from kvserve.model.sharding import TensorShard
 from kvserve.model.weight_arena import pack_linear_weights
 
 
@@ -95,23 +96,29 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantization: str | None = None,
-               group_size: int | None = None, max_model_len: int | None = None) -> tuple[torch.nn.Module, ModelConfig]:
+               group_size: int | None = None, max_model_len: int | None = None,
+               shard: TensorShard | None = None) -> tuple[torch.nn.Module, ModelConfig]:
     """Build the registered model class for the checkpoint and fill every parameter.
 
     ``quantization`` / ``group_size``: see kvserve.model.quant.plan (None keeps a GGUF file's own
     block quantization and a float checkpoint dense in ``dtype``). ``max_model_len`` caps the
     config's ``max_position``: the RoPE tables need no more, and LongRoPE picks its factors by it.
+    ``shard``: build and fill only this tensor-parallel rank's part (model/sharding.py); the model's
+    own config is then that part's, while the config returned is the whole model's.
     """
     hf = load_hf_config(path)
     config = load_model_config(path)
     if max_model_len is not None and max_model_len < config.max_position:
         config = dataclasses.replace(config, max_position=max_model_len)
     cls = model_class(config.architecture)
+    local = config if shard is None else shard.local_config(config)
     gguf = is_gguf(path)
     with torch.device(device):
-        model = cls(config, dtype)
+        model = cls(local, dtype)
         assign_quant_methods(model, quantization, group_size, gguf_file.tensor_types(path) if gguf else None)
     weights = gguf_file.iter_weights(path, hf, keep_blocks=quantization != "none") if gguf else iter_safetensors(path)
+    if shard is not None:
+        weights = shard.shard_weights(config, weights)
     model.load_weights(weights)
     if device.type == "cpu":
         pack_linear_weights(model)

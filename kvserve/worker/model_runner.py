@@ -49,12 +49,15 @@ class ModelRunner:
         self.mask_filler: MaskFiller | None = None  # structured outputs: started with the first constrained request
         self.block_table_rows = BlockTableRows()
         # Pure decode steps in one C++ call where the model and backend allow (bitwise the same result).
-        self.fused_decoder = build_fused_decoder(model, self.kv_caches, backend.fused_cache_kind(device))
+        self.fused_decoder = self._build_fused_decoder()
         self.decode_graphs = None
         # (soft-capped attention takes a path with host values: nothing to capture)
         if (cuda_graphs is not None and device.type == "cuda" and backend.supports_cuda_graphs
                 and config.attn_logit_softcap is None):
             self.decode_graphs = capture_decode_graphs(self._eager_forward, *cuda_graphs, block_size, device)
+
+    def _build_fused_decoder(self):
+        return build_fused_decoder(self.model, self.kv_caches, self.backend.fused_cache_kind(self.device))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:

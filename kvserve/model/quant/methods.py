@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from kvserve.model.cpu_kernels import load_kernels
 from kvserve.model.quant import gguf_blocks, packing
-from kvserve.model.quant.registry import CheckpointTensor, QuantMethod, register_quant_method
+from kvserve.model.quant.registry import CheckpointTensor, InputSlice, QuantMethod, register_quant_method
 
 # Quantized W, three CPU paths by rows of x (crossovers timed per layer on an AMX CPU, one thread):
 # up to _MAX_FUSED_ROWS the fused dequantize+dot kernel (reads each weight once); then, for bf16, AMX
@@ -235,12 +235,33 @@ class GroupQuant(QuantMethod):
     def _convert(self, layer, tensor: CheckpointTensor, group: int):
         """(qweight, scales, zeros, factors) rows for a float tensor or GGUF blocks: exact for blocks
         this layout holds (gguf_blocks.py), else dequantize and round to nearest."""
+        if isinstance(tensor, InputSlice):
+            return self._convert_columns(layer, tensor, group)
         if not isinstance(tensor, torch.Tensor):
             packed = None if self.coded else gguf_blocks.to_group_layout(tensor, self.bits, group, self.has_zeros)
             if packed is not None:
                 return (*packed, None)
             tensor = tensor.dequantize()
         return self.quantize(layer, tensor, group)
+
+    def _convert_columns(self, layer, part: InputSlice, group: int):
+        """A rank's columns of a row-parallel layer as the whole layer would store them: quantize full
+        rows with the whole layer's group, then keep this rank's groups (per-row parameters, such as
+        coded steps or per-channel scales, stay the whole row's). Where the whole layer's group does
+        not fall on this rank's boundaries, the columns are quantized on their own."""
+        full_in = part.full.shape[1]
+        whole = self.group_for(full_in, self.group, self.bits)
+        per_row = whole == full_in and group == layer.in_features  # one group per row, in both
+        if whole is None or not (per_row or (whole == group and part.start % group == 0)):
+            return self._convert(layer, part.dequantize(), group)
+        q, scales, zeros, factors = self._convert(layer, part.full, whole)
+        per_byte = 2 if self.bits == 4 else 1  # pack_int4 keeps each 32-column chunk in its own 16 bytes
+        q = q[:, part.start // per_byte:(part.start + part.length) // per_byte]
+        if not per_row:
+            cut = slice(part.start // group, (part.start + part.length) // group)
+            scales = scales[:, cut]
+            zeros = None if zeros is None else zeros[:, cut]
+        return q.contiguous(), scales.contiguous(), None if zeros is None else zeros.contiguous(), factors
 
     def quantize(self, layer, w: torch.Tensor, group: int):
         if self.bits == 4:

@@ -20,7 +20,27 @@ if TYPE_CHECKING:
     from kvserve.model.gguf_file import GGUFBlocks
     from kvserve.model.layers.linear import Linear
 
-CheckpointTensor = Union[torch.Tensor, "GGUFBlocks"]
+CheckpointTensor = Union[torch.Tensor, "GGUFBlocks", "InputSlice"]
+
+
+class InputSlice:
+    """Columns ``start:start+length`` of a checkpoint matrix (a tensor-parallel rank's inputs of a
+    row-parallel layer, model/sharding.py), kept whole until a method stores it: a quantized method
+    can then quantize full rows and keep its columns, so per-row parameters match the unsplit layer's."""
+
+    def __init__(self, full: torch.Tensor | GGUFBlocks, start: int, length: int) -> None:
+        self.full, self.start, self.length = full, start, length
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.full.shape[0], self.length)
+
+    def __getitem__(self, rows: slice) -> InputSlice:
+        return InputSlice(self.full[rows], self.start, self.length)
+
+    def dequantize(self) -> torch.Tensor:
+        full = self.full if isinstance(self.full, torch.Tensor) else self.full.dequantize()
+        return full[:, self.start:self.start + self.length].contiguous()
 
 
 class QuantMethod(ABC):
