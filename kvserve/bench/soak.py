@@ -13,6 +13,7 @@ import asyncio
 import json
 import math
 import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -69,12 +70,23 @@ def soak(args, base_url: str, pid: int) -> dict:
         samples.append(sample)
         print(json.dumps(sample), flush=True)
         round_no += 1
-    warm = samples[min(args.warmup_rounds, len(samples) - 1)]["rss_mib"]
-    last = samples[-1]["rss_mib"]
+    summary = summarize(samples, args.warmup_rounds)
     return {"rounds": len(samples), "requests": len(samples) * args.num_requests, "errors": errors,
-            "leaks": leaks, "rss_first_mib": round(samples[0]["rss_mib"], 1), "rss_after_warmup_mib": round(warm, 1),
-            "rss_last_mib": round(last, 1), "rss_max_mib": round(max(s["rss_mib"] for s in samples), 1),
-            "growth_after_warmup_pct": round(100 * (last - warm) / warm, 2)}
+            "leaks": leaks, **summary}
+
+
+def summarize(samples: list[dict], warmup_rounds: int) -> dict:
+    """RSS figures of a soak's per-round samples. The baseline is the sample that ends the warm-up
+    rounds; a soak with no round after it measured no growth, so growth is None then, not 0."""
+    rss = [s["rss_mib"] for s in samples]
+    summary = {"rss_first_mib": round(rss[0], 1), "rss_last_mib": round(rss[-1], 1), "rss_max_mib": round(max(rss), 1),
+               "rss_after_warmup_mib": None, "growth_after_warmup_pct": None, "rounds_after_warmup": 0}
+    base = max(warmup_rounds - 1, 0)  # the round whose end closes the warm-up
+    if len(rss) > base + 1:
+        warm = rss[base]
+        summary.update(rss_after_warmup_mib=round(warm, 1), rounds_after_warmup=len(rss) - 1 - base,
+                       growth_after_warmup_pct=round(100 * (rss[-1] - warm) / warm, 2))
+    return summary
 
 
 def run(args) -> int:
@@ -91,6 +103,9 @@ def run(args) -> int:
         with ServerProcess(server_args) as server:
             summary = soak(args, server.base_url, server.proc.pid)
     print(json.dumps({"summary": summary}, indent=2))
+    if summary["growth_after_warmup_pct"] is None:
+        print(f"no round ran after the {args.warmup_rounds} warm-up rounds: growth not measured; "
+              "run longer or lower --warmup-rounds", file=sys.stderr)
     return 0 if summary["errors"] == 0 and not summary["leaks"] else 1
 
 
