@@ -113,12 +113,12 @@ async def sse_lines(resp: aiohttp.ClientResponse) -> AsyncIterator[str]:
 
 
 async def send(http: aiohttp.ClientSession, req: BenchRequest, target: Target) -> RequestResult:
-    """One streaming request, timed chunk by chunk."""
+    """One streaming request, timed chunk by chunk (from the first attempt: see ``_post``)."""
     result = RequestResult(ok=False, prompt_tokens=len(req.prompt_token_ids))
     start = last = time.perf_counter()
     chunks_with_text = 0
     try:
-        async with http.post(target.url, json=request_body(req, target), headers=target.headers) as resp:
+        async with await _post(http, target, request_body(req, target)) as resp:
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
                 return result
@@ -146,6 +146,18 @@ async def send(http: aiohttp.ClientSession, req: BenchRequest, target: Target) -
     result.output_tokens = result.output_tokens or chunks_with_text
     result.ok = True
     return result
+
+
+async def _post(http: aiohttp.ClientSession, target: Target, body: dict, tries: int = 3) -> aiohttp.ClientResponse:
+    """POST, again when the pooled connection turns out closed by the server before the request went
+    out (cpp-httplib, under llama-server, closes a keep-alive connection after a few requests): the
+    server never saw it, and aiohttp drops that connection from the pool."""
+    for _ in range(tries - 1):
+        try:
+            return await http.post(target.url, json=body, headers=target.headers)
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
+            continue
+    return await http.post(target.url, json=body, headers=target.headers)
 
 
 async def open_connections(http: aiohttp.ClientSession, target: Target, count: int) -> None:
