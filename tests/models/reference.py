@@ -45,6 +45,16 @@ def random_prompts(n: int, lo: int, hi: int, seed: int = 0, vocab: int = TINY_VO
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
+def motif_prompts(n: int, seed: int, vocab: int = TINY_VOCAB) -> list[list[int]]:
+    """``n`` prompts that repeat a short random motif: n-gram speculation finds guesses in them."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        motif = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 6))]
+        prompts.append(motif * rng.randint(6, 10) + [rng.randrange(3, vocab)])
+    return prompts
+
+
 def generate_and_check(llm, hf_model, prompts: list[list[int]], max_tokens: int = 24) -> list[list[int]]:
     """Greedy outputs (EOS ignored), each transformers' continuation; most tokens really compared
     (not cut short by a tie), and no KV block left held. Returns the token ids."""

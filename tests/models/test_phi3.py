@@ -10,7 +10,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from tests.conftest import TINY_VOCAB, make_tiny_model
-from tests.models.reference import check_greedy_matches, generate_and_check, load_hf, random_prompts
+from tests.models.reference import check_greedy_matches, generate_and_check, load_hf, motif_prompts, random_prompts
 
 WINDOW = 18  # not a multiple of the block size
 ORIGINAL = 64  # LongRoPE's original context in the tiny model; its max_position_embeddings is 256
@@ -70,11 +70,7 @@ def test_phi3_preemption(tiny_phi3, hf_phi3):
 
 
 def test_phi3_ngram_speculation(tiny_phi3, hf_phi3):
-    rng = random.Random(6)
-    prompts = []
-    for _ in range(4):
-        motif = [rng.randrange(3, TINY_VOCAB) for _ in range(rng.randint(3, 6))]
-        prompts.append(motif * rng.randint(6, 10) + [rng.randrange(3, TINY_VOCAB)])
+    prompts = motif_prompts(4, seed=6)
     llm = LLM(model=str(tiny_phi3), num_kv_blocks=256, block_size=4, speculative_method="ngram",
               num_speculative_tokens=3)
     generate_and_check(llm, hf_phi3, prompts, max_tokens=32)

@@ -3,14 +3,12 @@ for token, and a request's KV stays bounded by the window as the sequence grows.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.kv_cache.sizing import max_window_blocks
-from tests.conftest import TINY_VOCAB, assert_no_leak, make_tiny_model
-from tests.models.reference import check_greedy_matches, generate_and_check, load_hf, random_prompts
+from tests.conftest import assert_no_leak, make_tiny_model
+from tests.models.reference import check_greedy_matches, generate_and_check, load_hf, motif_prompts, random_prompts
 
 WINDOW = 18  # not a multiple of the block size: window starts fall inside blocks
 
@@ -97,11 +95,7 @@ def test_preemption(tiny_mistral, hf_mistral):
 
 
 def test_ngram_speculation(tiny_mistral, hf_mistral):
-    rng = random.Random(6)
-    prompts = []
-    for _ in range(4):
-        motif = [rng.randrange(3, TINY_VOCAB) for _ in range(rng.randint(3, 6))]
-        prompts.append(motif * rng.randint(6, 10) + [rng.randrange(3, TINY_VOCAB)])
+    prompts = motif_prompts(4, seed=6)
     llm = LLM(model=str(tiny_mistral), num_kv_blocks=256, block_size=4, speculative_method="ngram",
               num_speculative_tokens=3)
     spec = generate_and_check(llm, hf_mistral, prompts, max_tokens=32)
