@@ -67,7 +67,7 @@ class ModelRunner:
             self._copy_blocks(out.block_copies)
         mask_rows, masks = self._start_masks(batch)  # filled on a worker thread during the forward pass
         input_ids, positions, meta = self._prepare(batch)
-        hidden = self._forward(input_ids, positions, meta)
+        hidden = self._forward(input_ids, positions, meta, _verify_only(batch))
         bitmask = masks.result() if masks is not None else None
         result = RunnerOutput(prompt_logprobs=self._prompt_logprobs(batch, hidden, meta))
         rows = [i for i, s in enumerate(batch) if s.sample and not s.spec_token_ids]
@@ -104,7 +104,11 @@ class ModelRunner:
             return hidden
         return hidden[torch.tensor([meta.query_start[i + 1] - 1 for i in rows], device=self.device)]
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 verify_only: bool = False) -> torch.Tensor:
+        """``verify_only``: every sequence brings its last token plus proposals, no prompt chunk."""
+        if verify_only and meta.prefill_seqs and self.fused_decoder is not None:
+            return self.fused_decoder.verify(input_ids, positions, meta)
         if not meta.prefill_seqs:
             if self.fused_decoder is not None:
                 return self.fused_decoder(input_ids, positions, meta)
@@ -243,6 +247,11 @@ class ModelRunner:
         width = max(len(s.block_table) for s in batch)
         return torch.from_numpy(self.block_table_rows.gather([s.request_id for s in batch],
                                                              [s.block_table for s in batch], width))
+
+
+def _verify_only(batch: list[ScheduledRequest]) -> bool:
+    """Every request decodes: one token, or one plus the proposals it verifies (no prompt chunk)."""
+    return all(len(s.token_ids) == 1 + len(s.spec_token_ids) for s in batch)
 
 
 def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

@@ -89,3 +89,77 @@ def test_fused_decode_rejects_a_slot_outside_the_cache(tiny_llama):
     meta.slot_mapping[0] = 16 * 8
     with pytest.raises(RuntimeError, match="outside the KV cache"), torch.inference_mode():
         runner.fused_decoder(ids, pos, meta)
+
+
+def _verify_requests(lengths: list[int], k: int, block_size: int) -> list[ScheduledRequest]:
+    """One more token plus ``k`` proposals for each of the histories ``_requests`` prefilled."""
+    rng = random.Random(1)
+    out = []
+    for r in _requests(lengths, block_size, decode=True):
+        tokens = r.token_ids + [rng.randrange(3, TINY_VOCAB) for _ in range(k)]
+        out.append(ScheduledRequest(r.request_id, tokens, r.start_pos, r.block_table, True, SP,
+                                    spec_token_ids=tokens[1:]))
+    return out
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3"])
+def test_fused_verify_matches_the_eager_step(fixture, request):
+    # A verify step as decode rows (llama_decode.py) against the eager causal step, float32.
+    llm = LLM(model=str(request.getfixturevalue(fixture)), dtype="float32", num_kv_blocks=128, block_size=8)
+    runner = llm.engine.core.runner
+    lengths = [6, 17, 40]
+    with torch.inference_mode():
+        ids, pos, meta = runner._prepare(_requests(lengths, runner.block_size, decode=False))
+        runner.model(ids, pos, runner.kv_caches, meta, runner.backend)
+        ids, pos, meta = runner._prepare(_verify_requests(lengths, 4, runner.block_size))
+        assert meta.prefill_seqs  # several query tokens per sequence: the eager model's prefill path
+        before = [c.clone() for c in runner.kv_caches]
+        eager = runner.model(ids, pos, runner.kv_caches, meta, runner.backend)
+        eager_caches = [c.clone() for c in runner.kv_caches]
+        for cache, old in zip(runner.kv_caches, before):
+            cache.copy_(old)
+        fused = runner.fused_decoder.verify(ids, pos, meta)
+    assert fused.shape == eager.shape and fused.shape[0] == 5 * len(lengths)
+    torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
+    for got, want in zip(runner.kv_caches, eager_caches):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _spied_verify(llm: LLM) -> list[int]:
+    """Counts the steps the runner verifies through the fused decoder (one entry per call)."""
+    decoder, calls = llm.engine.core.runner.fused_decoder, []
+    inner = decoder.verify
+
+    def verify(*args):
+        calls.append(args[0].numel())
+        return inner(*args)
+
+    decoder.verify = verify
+    return calls
+
+
+def _check_spec_identical(opts: dict, prompts=None) -> None:
+    """Greedy speculative output equals plain, one request at a time (``prompts``: grounded ones by
+    default), with verification through the fused decoder."""
+    from kvserve.bench.spec import prompts_for
+
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    plain = LLM(**opts)
+    spec = LLM(**opts, speculative_method="ngram", num_speculative_tokens=4)
+    calls = _spied_verify(spec)
+    for prompt in prompts or prompts_for("grounded", plain.get_tokenizer(), 3):
+        assert spec.generate([prompt], params)[0].token_ids == plain.generate([prompt], params)[0].token_ids
+    assert calls and spec.engine.core.spec.stats.accepted > 0  # verification ran through the fused decoder
+
+
+def test_speculation_through_fused_verify_is_greedy_identical(tiny_llama):
+    from tests.models.reference import motif_prompts
+
+    _check_spec_identical({"model": str(tiny_llama), "dtype": "float32", "num_kv_blocks": 256, "block_size": 4},
+                          motif_prompts(6, seed=2))
+
+
+def test_speculation_on_the_default_model_is_greedy_identical():
+    # The bundled GGUF as shipped (dtype auto: bf16 where the CPU has it), one request at a time as in
+    # `kvserve bench spec --concurrency 1`: the verify rows take a decode step's kernels.
+    _check_spec_identical({"kv_cache_memory_bytes": 128 * 1024**2})

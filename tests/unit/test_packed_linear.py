@@ -56,16 +56,22 @@ def test_packed_layout_holds_the_weight_tile_by_tile():
 
 
 def test_packed_rows_do_not_depend_on_the_batch():
-    """Sums run in the same order whatever the other rows are (AMX or blocked vector path, 5+ rows)."""
+    """A row's sums run in the same order whatever the other rows are: among 1-8 rows (the few-row
+    vector path, which a speculative verify step of one request takes), and among more (AMX tiles, or
+    the blocked vector path); without AMX every path sums in the same order."""
     kernels = _kernels()
     torch.manual_seed(0)
     w = (torch.randn(96, 576) * 0.1).bfloat16()
     x = torch.randn(70, 576).bfloat16()
     packed = kernels.pack_bf16_weight(w)
     full = kernels.packed_linear(x, packed, 96)
-    few = (1, 2, 3, 4) if not kernels.native_bf16() else ()  # AVX2: the few-row path sums in the same order too
-    for rows in (*few, 5, 17, 32, 47):
+    single = torch.cat([kernels.packed_linear(x[i:i + 1].contiguous(), packed, 96) for i in range(8)])
+    for rows in range(2, 9):
+        assert torch.equal(kernels.packed_linear(x[:rows].contiguous(), packed, 96), single[:rows])
+    for rows in (9, 17, 32, 47):
         assert torch.equal(kernels.packed_linear(x[:rows].contiguous(), packed, 96), full[:rows])
+    if not kernels.has_amx():
+        assert torch.equal(single, full[:8])
 
 
 def test_packed_linear_rejects_bad_input():

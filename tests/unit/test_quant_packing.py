@@ -223,6 +223,21 @@ def _check_activation_kernel(kernels, q, s, z, f, group, bits, ref_w, k, dtype):
         assert (y - ref).abs().mean() < 0.3 * bound.mean()  # typical errors are well inside the bound
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_few_row_kernel_rows_do_not_depend_on_the_batch(bits):
+    # Up to 8 rows (a verify step's k + 1 tokens of one request) each row gets bitwise what a 1-row
+    # call gives it: verification then scores what plain decoding would.
+    kernels = _kernels()
+    torch.manual_seed(bits)
+    w = torch.randn(200, 576) * 0.05
+    q, s, z = (packing.quantize_int4(w, 32)[:3] if bits == 4 else (*packing.quantize_int8(w, 32), None))
+    x = torch.randn(8, 576).bfloat16()
+    args = (q, s, z, None, 32, bits, 8, 256, 4096)
+    single = torch.cat([kernels.quant_linear(x[i:i + 1].contiguous(), *args) for i in range(8)])
+    for rows in range(2, 9):
+        assert torch.equal(kernels.quant_linear(x[:rows].contiguous(), *args), single[:rows])
+
+
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 40, 300])
 def test_dense_bf16_kernel_matches_torch(rows):
     kernels = _kernels()

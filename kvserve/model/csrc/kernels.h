@@ -46,13 +46,17 @@ void parallel_for_dynamic(int64_t begin, int64_t end, int64_t grain, const F& f)
   if (error) std::rethrow_exception(error);
 }
 
-// Calls f(std::integral_constant<int, R>{}) with R = rows clamped to 1..Max (4, or 6 for the packed
-// kernel's many-row blocks), for kernels that take a few rows of x as a template parameter (their
-// accumulators live in registers).
+// Calls f(std::integral_constant<int, R>{}) with R = rows clamped to 1..Max (4; 6 for the packed
+// kernel's many-row blocks; 8 for its few-row one), for kernels that take a few rows of x as a template
+// parameter (their accumulators live in registers).
 template <int Max = 4, typename F>
 void with_few_rows(int64_t rows, const F& f) {
-  static_assert(Max == 4 || Max == 6, "instantiated for at most 4 or 6 rows");
-  if constexpr (Max == 6) {
+  static_assert(Max == 4 || Max == 6 || Max == 8, "instantiated for at most 4, 6 or 8 rows");
+  if constexpr (Max == 8) {
+    if (rows >= 8) return f(std::integral_constant<int, 8>{});
+    if (rows == 7) return f(std::integral_constant<int, 7>{});
+  }
+  if constexpr (Max >= 6) {
     if (rows >= 6) return f(std::integral_constant<int, 6>{});
     if (rows == 5) return f(std::integral_constant<int, 5>{});
   }
@@ -99,7 +103,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 // attention/csrc/paged_decode.cpp
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                                  int64_t kind, int64_t window);
+                                  int64_t kind, int64_t window, int64_t split_batch = 0);
 
 // attention/csrc/kv_write.cpp: k, v [T, Hkv, D] (heads contiguous, any token stride) into their slots.
 void write_kv_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& cache, const at::Tensor& slots,
@@ -134,14 +138,16 @@ struct LayerSpec {
   c10::optional<at::Tensor> q_norm, k_norm;  // Qwen3's per-head norms
 };
 
-// The decoder stack for steps in which every sequence brings exactly one new token; see llama_decode.cpp.
+// The decoder stack for steps in which every row is one new token attending to its sequence's cache up
+// to itself (a decode step, or a verify step's tokens as rows of their own); see llama_decode.cpp.
 class LlamaDecoder {
  public:
   LlamaDecoder(std::vector<LayerSpec> layers, at::Tensor final_norm, at::Tensor cos, at::Tensor sin,
                std::vector<at::Tensor> kv_caches, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                double eps, double scale, int64_t kv_kind, std::vector<int64_t> windows);
+  // split_batch: the sequences the rows belong to (0: one per row), see paged_decode_attention.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& slot_mapping,
-                     const at::Tensor& block_tables, const at::Tensor& seq_lens) const;
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t split_batch = 0) const;
 
  private:
   std::vector<LayerSpec> layers_;

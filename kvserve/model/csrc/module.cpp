@@ -31,7 +31,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear,
         "x W^T for a weight from pack_bf16_weight, or SiLU(gate) * up of it (silu_mul, a gated weight) (CPU)",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("gated") = false, py::arg("silu_mul") = false, no_gil);
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", no_gil);
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("kind"), py::arg("window"), py::arg("split_batch") = 0, no_gil);
   m.def("write_kv_cache", &write_kv_cache, "store a step's k, v at their slots of the paged KV cache (CPU)", no_gil);
   m.def("paged_prefill_supported", &paged_prefill_supported, "paged prefill attention (AMX or AVX512-BF16) available for this head_dim");
   m.def("paged_prefill_attention", &paged_prefill_attention, "paged causal prefill attention, bf16 on AMX or AVX512-BF16 (CPU)",
@@ -64,6 +66,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<LlamaDecoder>(m, "LlamaDecoder", py::module_local())
       .def(py::init<std::vector<LayerSpec>, at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>, int64_t,
                     int64_t, int64_t, double, double, int64_t, std::vector<int64_t>>())
-      .def("forward", &LlamaDecoder::forward, "hidden states after the final norm, for one decode token per sequence",
-           no_gil);
+      .def("forward", &LlamaDecoder::forward, "hidden states after the final norm, each row one token decoded",
+           py::arg("x"), py::arg("positions"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("seq_lens"),
+           py::arg("split_batch") = 0, no_gil);
 }

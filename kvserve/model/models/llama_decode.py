@@ -7,6 +7,12 @@ hidden states are bitwise those of the eager model. It needs the C++ kernels, th
 paged cache layout (the backend says which kind, see ``TorchAttentionBackend.fused_cache_kind``),
 and a kernel spec from every Linear's quantization method; otherwise there is none and the eager
 model runs every step. KVSERVE_FUSED_DECODE=0 turns it off (for comparisons).
+
+Speculative verification (``verify``) runs through it too: a sequence's k + 1 query tokens become
+k + 1 decode rows, each attending to the cache up to its own position. The step writes all their
+K/V before any attention reads, so row j sees the proposals before it, as causal attention would.
+Each row then meets the same kernels, cut over the threads the same way, as in a plain decode step of
+that token, so greedy verification emits what plain decoding would.
 """
 
 from __future__ import annotations
@@ -30,6 +36,16 @@ class FusedDecoder:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         return self.native.forward(x, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens)
+
+    def verify(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states for a step in which sequences bring several tokens each (a verify step: the
+        last token and its proposals), every token as a decode row of its own (see the module doc).
+        Meant for a few tokens a sequence: each row reads its sequence's cache again."""
+        counts = torch.tensor([b - a for a, b in zip(meta.query_start, meta.query_start[1:])], device=positions.device)
+        tables = meta.block_tables.repeat_interleave(counts, dim=0)
+        x = self.embed_tokens(input_ids)
+        # split_batch: each row is cut over the threads as a plain decode step of num_seqs sequences cuts it
+        return self.native.forward(x, positions, meta.slot_mapping, tables, positions + 1, meta.num_seqs)
 
 
 def build_fused_decoder(model: torch.nn.Module, kv_caches: list[torch.Tensor],

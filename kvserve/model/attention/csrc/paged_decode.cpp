@@ -762,16 +762,19 @@ void merge_partials(const float* m, const float* l, const float* acc, int64_t pa
 // The bf16 path of paged_decode_attention. With at least two sequences per thread a task is one
 // sequence (all its kv heads: their rows are adjacent, so the reads stream); with fewer, each
 // sequence's tokens are also cut into ranges of at least kMinSplit tokens so that every thread has
-// work (otherwise a single stream's attention runs on one thread while the others wait).
+// work (otherwise a single stream's attention runs on one thread while the others wait). The cut
+// depends on `split_batch` sequences, not on the rows: a verify step's rows (several per sequence)
+// are then cut, and rounded, as a plain decode step of that many sequences cuts each of them.
 void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
-              const at::Tensor& lens, double scale, int64_t window, at::Tensor& out) {
+              const at::Tensor& lens, double scale, int64_t window, int64_t split_batch, at::Tensor& out) {
   constexpr int64_t kMinSplit = 64;
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(2), block_size = k_cache.size(1), group = num_heads / num_kv_heads;
   const int64_t width = tables.size(1), threads = at::get_num_threads();
   const int64_t* bt = tables.data_ptr<int64_t>();
   const int64_t* sl = lens.data_ptr<int64_t>();
-  const int64_t want = batch >= 2 * threads ? 1 : std::min(kMaxParts, (2 * threads + batch - 1) / batch);  // parts per sequence
+  const int64_t seqs = split_batch > 0 ? split_batch : batch;
+  const int64_t want = seqs >= 2 * threads ? 1 : std::min(kMaxParts, (2 * threads + seqs - 1) / seqs);  // parts per sequence
   std::vector<int64_t> first_task(batch + 1, 0), task_seq, task_t0, task_t1;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t first = window_start(sl[b], window), len = sl[b] - first;
@@ -891,12 +894,13 @@ void run(const at::Tensor& q, const Rows& k_rows, const Rows& v_rows, int64_t bl
 
 template <typename T>
 void run_kind(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
-              const at::Tensor& lens, double scale, int64_t kind, int64_t window, at::Tensor& out) {
+              const at::Tensor& lens, double scale, int64_t kind, int64_t window, int64_t split_batch, at::Tensor& out) {
+  [[maybe_unused]] const int64_t split = split_batch;
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2), head_dim = q.size(2);
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (kind == 0 && k_cache.scalar_type() == at::kBFloat16 && (head_dim == 64 || head_dim == 128)) {
-      run_bf16(q, k_cache, v_cache, tables, lens, scale, window, out);
+      run_bf16(q, k_cache, v_cache, tables, lens, scale, window, split, out);
       return;
     }
   }
@@ -921,19 +925,20 @@ void run_kind(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
 
 // q: [B, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (kind 0) or uint8
 // [num_blocks, block_size, Hkv, D + 2] (kind 1 int8, 2 fp8); block_tables: [B, W] int64;
-// seq_lens: [B] int64; window: attend to each sequence's last `window` tokens (0: all). Returns [B, Hq, D].
+// seq_lens: [B] int64; window: attend to each sequence's last `window` tokens (0: all); split_batch:
+// the sequences the B rows belong to, for how they are cut over threads (0: B). Returns [B, Hq, D].
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                                  int64_t kind, int64_t window) {
+                                  int64_t kind, int64_t window, int64_t split_batch) {
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of kv heads");
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   auto out = at::empty_like(q);
-  if (q.scalar_type() == at::kFloat) run_kind<float>(q, k_cache, v_cache, tables, lens, scale, kind, window, out);
-  else if (q.scalar_type() == at::kBFloat16) run_kind<c10::BFloat16>(q, k_cache, v_cache, tables, lens, scale, kind, window, out);
-  else if (q.scalar_type() == at::kHalf) run_kind<c10::Half>(q, k_cache, v_cache, tables, lens, scale, kind, window, out);
+  if (q.scalar_type() == at::kFloat) run_kind<float>(q, k_cache, v_cache, tables, lens, scale, kind, window, split_batch, out);
+  else if (q.scalar_type() == at::kBFloat16) run_kind<c10::BFloat16>(q, k_cache, v_cache, tables, lens, scale, kind, window, split_batch, out);
+  else if (q.scalar_type() == at::kHalf) run_kind<c10::Half>(q, k_cache, v_cache, tables, lens, scale, kind, window, split_batch, out);
   else TORCH_CHECK(false, "unsupported dtype");
   return out;
 }

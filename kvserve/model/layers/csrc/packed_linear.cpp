@@ -47,7 +47,11 @@ namespace {
 namespace {
 
 constexpr int64_t kTile = 512;         // bf16 values per 16 x 32 tile
-constexpr int64_t kMaxVectorRows = 4;  // up to here AVX512-BF16, beyond AMX where the CPU has it
+constexpr int64_t kMaxVectorRows = 4;  // up to here AVX512-BF16 everywhere (vector_linear)
+// With AMX, also 5-8 rows (a speculative verify step of one request, small decode batches): W is still
+// read once, and each row's sums are bitwise those of a 1-row call, since the accumulation order per
+// channel does not depend on the rows (AMX tiles add in another order). Beyond, AMX tiles.
+constexpr int kMaxVectorRowsBeforeAmx = 8;
 // How 1-2 rows of x stream W: how many strips side by side, and how far ahead (bf16 values) each
 // strip's stream is prefetched by software, with which hint. Each is the fastest of those tried on
 // its CPU: Intel, 4 strips with a 4 KB prefetch into L1; AMD before Zen 5, 8 strips with a 1 KB
@@ -171,15 +175,16 @@ void vector_strips(const uint16_t* w, const uint16_t* x, int64_t k, const Output
   }
 }
 
-// Strips [s0, s1), s0 even: kFewRowStrips at a time for 1-2 rows (registers allow), four at a time,
-// then a pair, then one (never left for a gated weight, whose strips come in pairs).
+// Strips [s0, s1), s0 even: kFewRowStrips at a time for 1-2 rows (registers allow), four at a time
+// (up to 6 rows), then a pair, then one (never left for a gated weight, whose strips come in pairs).
 template <int MB>
 void vector_rows(const uint16_t* w, const uint16_t* x, int64_t k, const Output& out, int64_t row0, int64_t s0,
                  int64_t s1, Prefetch* pf = nullptr) {
   int64_t s = s0;
   if constexpr (MB <= 2 && kFewRowStrips > 4)
     for (; s + kFewRowStrips <= s1; s += kFewRowStrips) vector_strips<MB, kFewRowStrips>(w, x, k, out, row0, s);
-  for (; s + 4 <= s1; s += 4) vector_strips<MB, 4>(w, x, k, out, row0, s, pf);
+  if constexpr (MB <= 6)  // 7-8 rows: a pair at a time (the accumulators fill the registers)
+    for (; s + 4 <= s1; s += 4) vector_strips<MB, 4>(w, x, k, out, row0, s, pf);
   for (; s + 2 <= s1; s += 2) vector_strips<MB, 2>(w, x, k, out, row0, s, pf);
   for (; s < s1; ++s) vector_strips<MB, 1>(w, x, k, out, row0, s, pf);
 }
@@ -194,7 +199,7 @@ void vector_linear(const at::Tensor& x, const uint16_t* w, const Output& out) {
   int64_t tasks = std::max<int64_t>(1, pairs * k * 64 / (int64_t{1} << 18));
   if (tasks > 1) tasks = (tasks + threads - 1) / threads * threads;
   parallel_for_dynamic(0, pairs, (pairs + tasks - 1) / tasks, [&](int64_t p0, int64_t p1) {
-    with_few_rows(m, [&](auto mb) {
+    with_few_rows<kMaxVectorRowsBeforeAmx>(m, [&](auto mb) {
       vector_rows<decltype(mb)::value>(w, xp, k, out, 0, 2 * p0, std::min(2 * p1, strips));
     });
   });
@@ -572,6 +577,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   if (x.size(0) == 0) return y;
   if (x.size(0) <= kMaxVectorRows) vector_linear(x, w, out);
 #if defined(KVSERVE_AMX)
+  else if (simd::amx_ready() && x.size(0) <= kMaxVectorRowsBeforeAmx) vector_linear(x, w, out);
   else if (simd::amx_ready()) amx_linear(x, w, out);
 #endif
   else if (x.size(0) <= kPassRows) vector_linear_passes(x, w, out);

@@ -43,7 +43,8 @@ LlamaDecoder::LlamaDecoder(std::vector<LayerSpec> layers, at::Tensor final_norm,
 }
 
 at::Tensor LlamaDecoder::forward(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& slot_mapping,
-                                 const at::Tensor& block_tables, const at::Tensor& seq_lens) const {
+                                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                 int64_t split_batch) const {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be the [tokens, hidden] embeddings");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == x.size(0) && positions.numel() == x.size(0) &&
@@ -73,7 +74,7 @@ at::Tensor LlamaDecoder::forward(const at::Tensor& x, const at::Tensor& position
     rotary_(q, k, positions, cos_, sin_);
     write_kv_cache(k, v, kv_caches_[i], slot_mapping, kv_kind_);
     const at::Tensor attn = paged_decode_attention(q.contiguous(), halves_[i].first, halves_[i].second, block_tables,
-                                                   seq_lens, scale_, kv_kind_, windows_[i]);
+                                                   seq_lens, scale_, kv_kind_, windows_[i], split_batch);
     normed = rms_norm(layer.o.apply(attn.view({tokens, q_width})), residual, layer.post_norm, eps_);
     h = layer.down.apply(layer.gate_up.apply_silu_mul(normed));
   }
