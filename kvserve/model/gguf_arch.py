@@ -8,8 +8,7 @@ architecture is not in the file. Those values are taken here as llama.cpp takes 
   the tanh-approximated GELU;
 - SmolLM3: every 4th layer without RoPE (no key holds the interval);
 - MoE: the top-k weights renormalised for Mixtral (``llama`` with experts) and Qwen3-MoE, not for
-  Qwen2-MoE and OLMoE, unless ``expert_weights_norm`` says; a layer without a router
-  (``ffn_gate_inp``) is dense.
+  Qwen2-MoE and OLMoE, unless ``expert_weights_norm`` says; experts in every layer.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ def architecture(arch: str, field: Field) -> str:
     return ARCHITECTURES[arch]
 
 
-def extra_config(arch: str, field: Field, names: set[str], cfg: dict[str, Any]) -> dict[str, Any]:
+def extra_config(arch: str, field: Field, cfg: dict[str, Any]) -> dict[str, Any]:
     """Config keys beyond the Llama ones that ``cfg`` already holds, for ``arch``'s file."""
     extra = rope_scaling(arch, field)
     if arch in _GEMMA_PATTERN:
@@ -49,7 +48,7 @@ def extra_config(arch: str, field: Field, names: set[str], cfg: dict[str, Any]) 
         layers = cfg["num_hidden_layers"]
         extra["no_rope_layers"] = [int((i + 1) % SMOLLM3_NO_ROPE_INTERVAL != 0) for i in range(layers)]
     if arch in _MOE or cfg["architectures"] == ["MixtralForCausalLM"]:
-        extra.update(moe_config(arch, field, names, cfg))
+        extra.update(moe_config(arch, field, cfg))
     return extra
 
 
@@ -92,16 +91,14 @@ def _sliding_layers(pattern: int | list, layers: int) -> list[bool]:
     return [n > 1 and i % n < n - 1 for i in range(layers)]
 
 
-def moe_config(arch: str, field: Field, names: set[str], cfg: dict[str, Any]) -> dict[str, Any]:
+def moe_config(arch: str, field: Field, cfg: dict[str, Any]) -> dict[str, Any]:
     experts, used = int(field(f"{arch}.expert_count", 0)), int(field(f"{arch}.expert_used_count", 0))
     if arch == "llama":  # Mixtral: the experts' width is feed_forward_length
         return {"num_local_experts": experts, "num_experts_per_tok": used}
-    layers = cfg["num_hidden_layers"]
     extra: dict[str, Any] = {
         "num_experts": experts,
         "num_experts_per_tok": used,
         "norm_topk_prob": bool(field(f"{arch}.expert_weights_norm", arch == "qwen3moe")),
-        "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names],
     }
     if arch == "olmoe":
         extra["clip_qkv"] = field(f"{arch}.attention.clamp_kqv")

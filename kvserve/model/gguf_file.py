@@ -164,7 +164,7 @@ def read_config(path: Path) -> dict[str, Any]:
     if arch == "phi3":
         cfg.update(_phi3_config(path, index, cfg))
     else:
-        cfg.update(gguf_arch.extra_config(arch, field, names, cfg))
+        cfg.update(gguf_arch.extra_config(arch, field, cfg))
     return cfg
 
 
