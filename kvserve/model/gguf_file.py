@@ -261,7 +261,7 @@ def iter_weights(path: Path, config: dict[str, Any], keep_blocks: bool = False
         shape = tuple(reversed(dims))  # GGUF lists dimensions innermost first
         data = _stored(raw, offset, shape, type_name, qtype)
         names = _hf_names(gguf_name, arch, _experts(dims))
-        parts = [(data, shape)] if len(names) == 1 else [(data[e], shape[1:]) for e in range(len(names))]
+        parts = [(data[e], shape[1:]) for e in range(len(names))] if _stacked(gguf_name) else [(data, shape)]
         for name, (part, part_shape) in zip(names, parts):
             tensor = _tensor(part, part_shape, type_name, qtype, keep_blocks)
             yield name, _to_hf(tensor, name, gguf_name, arch, config)
@@ -306,13 +306,19 @@ def _experts(dims: list[int]) -> int:
     return dims[-1] if len(dims) == 3 else 0
 
 
+def _stacked(name: str) -> str | None:
+    """The projection a stacked expert tensor holds (e.g. "gate_proj"); None for other tensors."""
+    parts = name.split(".", 2)
+    return _EXPERT_STACKS.get(parts[2]) if len(parts) == 3 and parts[0] == "blk" else None
+
+
 def _hf_names(name: str, arch: str | None, experts: int) -> list[str]:
     """The HF names a GGUF tensor fills: one, or one per expert of a stacked expert tensor."""
-    if name not in _GLOBAL_NAMES:
-        prefix, layer, rest = name.split(".", 2)
-        if prefix == "blk" and rest in _EXPERT_STACKS:
-            return [f"model.layers.{layer}.mlp.experts.{e}.{_EXPERT_STACKS[rest]}.weight" for e in range(experts)]
-    return [_hf_name(name, arch)]
+    projection = _stacked(name)
+    if projection is None:
+        return [_hf_name(name, arch)]
+    layer = name.split(".")[1]
+    return [f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight" for e in range(experts)]
 
 
 def _hf_name(name: str, arch: str | None = None) -> str:

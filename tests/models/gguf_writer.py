@@ -47,8 +47,10 @@ def write_gguf(folder: Path, out: Path, arch: str, quant: str | None = None) -> 
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ValueError(f"no GGUF name for {name} in {arch}")
-        if quant is not None and array.ndim >= 2 and not gguf_name.endswith(_ROUTERS):
-            qtype = gguf.GGMLQuantizationType[quant]
+        qtype = None if quant is None else gguf.GGMLQuantizationType[quant]
+        # rows that are not whole blocks stay float, as the converter falls back for them
+        if qtype is not None and array.ndim >= 2 and not gguf_name.endswith(_ROUTERS) \
+                and array.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
             writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, array)
