@@ -153,7 +153,7 @@ def read_config(path: Path) -> dict[str, Any]:
         "max_position_embeddings": int(_scalar(index, f"{arch}.context_length", 4096)),
         "rms_norm_eps": float(_scalar(index, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(_scalar(index, f"{arch}.rope.freq_base", 10000.0)),
-        "vocab_size": int(_scalar(index, f"{arch}.vocab_size", _field(index, "tokenizer.ggml.tokens#len", 0))),
+        "vocab_size": _vocab_size(index, arch),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
         "bos_token_id": _field(index, "tokenizer.ggml.bos_token_id"),
@@ -166,6 +166,15 @@ def read_config(path: Path) -> dict[str, Any]:
     else:
         cfg.update(gguf_arch.extra_config(arch, field, cfg))
     return cfg
+
+
+def _vocab_size(index: dict[str, Any], arch: str) -> int:
+    """The embedding's rows: llama.cpp's converter may trim the vocabulary to the tokenizer's
+    (Gemma 3), so the metadata's count is only the fallback."""
+    embedding = next((t for t in index["tensors"] if t[0] == "token_embd.weight"), None)
+    if embedding is not None:
+        return int(embedding[2][1])  # dims innermost first: [hidden, vocab]
+    return int(_scalar(index, f"{arch}.vocab_size", _field(index, "tokenizer.ggml.tokens#len", 0)))
 
 
 def _phi3_config(path: Path, index: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
