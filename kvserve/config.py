@@ -61,6 +61,12 @@ class RopeConfig:
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
     rotary_fraction: float = 1.0  # partial_rotary_factor: the share of each head's dims that rotate
+    # YaRN (gpt-oss): pairs turning fewer than beta_slow times over the original context are
+    # interpolated (divided by factor), more than beta_fast kept, a linear ramp between; ``truncate``
+    # rounds the ramp's ends outwards to whole dims.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
     @staticmethod
     def from_hf(cfg: dict[str, Any], layer_type: str = "full_attention") -> RopeConfig:
@@ -77,12 +83,17 @@ class RopeConfig:
         original = int(params.get("original_max_position_embeddings",
                                   cfg.get("original_max_position_embeddings", 8192)))
         attention_factor = 1.0
+        factor = params.get("factor")
         if rope_type == "longrope":
             attention_factor = _longrope_attention_factor(params, cfg, original)
+        if rope_type == "yarn":
+            if factor is None:  # transformers' rule: the stretch from the original context
+                factor = int(cfg.get("max_position_embeddings", 4096)) / original
+            attention_factor = _yarn_attention_factor(params, float(factor))
         return RopeConfig(
             theta=float(theta),
             rope_type=rope_type,
-            factor=float(params.get("factor") or 1.0),
+            factor=float(factor or 1.0),
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
             original_max_position=original,
@@ -90,6 +101,9 @@ class RopeConfig:
             long_factor=tuple(float(x) for x in params.get("long_factor") or ()),
             attention_factor=attention_factor,
             rotary_fraction=float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))),
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            truncate=bool(params.get("truncate", True)),
         )
 
 
@@ -104,11 +118,26 @@ def _longrope_attention_factor(params: dict[str, Any], cfg: dict[str, Any], orig
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
+def _yarn_attention_factor(params: dict[str, Any], factor: float) -> float:
+    """YaRN's gain on cos/sin: the configured ``attention_factor``, else 0.1 ln(factor) + 1, or the
+    ratio of that with ``mscale`` over that with ``mscale_all_dim`` when both are given."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+
+    def mscale(scale: float) -> float:
+        return 1.0 if factor <= 1.0 else 0.1 * scale * math.log(factor) + 1.0
+
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return mscale(float(params["mscale"])) / mscale(float(params["mscale_all_dim"]))
+    return mscale(1.0)
+
+
 @dataclass(frozen=True)
 class MoeConfig:
-    """Mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE, OLMoE), as transformers routes them: softmax over
-    the router's logits in float32, the top ``experts_per_token``, renormalised to sum to 1 if
-    ``renormalize`` (Mixtral always; the others by ``norm_topk_prob``)."""
+    """Mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE, OLMoE, gpt-oss), as transformers routes them:
+    softmax over the router's logits in float32, the top ``experts_per_token``, renormalised to sum to
+    1 if ``renormalize`` (Mixtral always; the others by ``norm_topk_prob``); or, with
+    ``softmax_after_topk`` (gpt-oss), the top logits first and a softmax over those alone."""
 
     num_experts: int
     experts_per_token: int
@@ -120,6 +149,14 @@ class MoeConfig:
     shared_intermediate_size: int = 0  # Qwen2-MoE: a shared expert, gated by sigmoid(x w), on every token
     # Per layer: whether its MLP is the sparse block (Qwen-MoE's decoder_sparse_step / mlp_only_layers)
     sparse_layers: tuple[bool, ...] = ()
+    softmax_after_topk: bool = False  # gpt-oss: top k of the logits, then a softmax over those k
+    router_bias: bool = False  # gpt-oss: the router's logits have a bias
+    expert_bias: bool = False  # gpt-oss: the experts' gate/up and down projections have biases
+    # The experts' activation: "silu" (SiLU(gate) * up) or "clamped_swiglu" (gpt-oss, layers/moe.py),
+    # with its sigmoid gain ``swiglu_alpha`` and clamp ``swiglu_limit``.
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def is_sparse(self, layer: int) -> bool:
         return self.sparse_layers[layer] if self.sparse_layers else True
@@ -128,6 +165,8 @@ class MoeConfig:
     def from_hf(cfg: dict[str, Any], arch: str, num_layers: int) -> MoeConfig | None:
         if arch not in _MOE_ARCHITECTURES:
             return None
+        if arch == "GptOssForCausalLM":
+            return MoeConfig._gpt_oss(cfg)
         mixtral = arch == "MixtralForCausalLM"
         # Hub configs say num_local_experts (Mixtral) or num_experts; transformers 5 writes the former
         experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
@@ -153,7 +192,23 @@ class MoeConfig:
         )
 
 
-_MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+    @staticmethod
+    def _gpt_oss(cfg: dict[str, Any]) -> MoeConfig:
+        experts, per_token = int(cfg.get("num_local_experts") or 0), int(cfg.get("num_experts_per_tok") or 0)
+        if experts < 1 or not 1 <= per_token <= experts:
+            raise ValueError(f"config.json: GptOssForCausalLM needs 1 <= num_experts_per_tok ({per_token}) <= "
+                             f"num_local_experts ({experts})")
+        return MoeConfig(
+            num_experts=experts, experts_per_token=per_token,
+            expert_intermediate_size=int(cfg["intermediate_size"]),
+            softmax_after_topk=True, router_bias=True, expert_bias=True, activation="clamped_swiglu",
+            # transformers' defaults, for configs that leave them out (the released ones omit alpha)
+            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        )
+
+
+_MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
+                      "GptOssForCausalLM")
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import torch
 
 from kvserve.model.models.gemma2 import Gemma2ForCausalLM
 from kvserve.model.models.gemma3 import Gemma3ForCausalLM
+from kvserve.model.models.gpt_oss import GptOssForCausalLM
 from kvserve.model.models.llama import LlamaForCausalLM
 from kvserve.model.models.mixtral import MixtralForCausalLM
 from kvserve.model.models.olmoe import OlmoeForCausalLM
@@ -16,6 +17,7 @@ from kvserve.model.models.smollm3 import SmolLM3ForCausalLM
 _MODELS: dict[str, type[torch.nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,

@@ -1,5 +1,5 @@
-"""Sparse mixture-of-experts MLP (Mixtral, Qwen2/3-MoE, OLMoE): a router picks the top k experts of
-each token, their gated MLPs run on it and their outputs are summed, weighted by the router.
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen2/3-MoE, OLMoE, gpt-oss): a router picks the top k
+experts of each token, their gated MLPs run on it and their outputs are summed, weighted by the router.
 
 Routing follows transformers exactly (``route``). The experts run grouped: a step's (token, expert)
 pairs are sorted by expert, each active expert multiplies its tokens in one matmul, and the results
@@ -9,6 +9,9 @@ Each expert is a pair of ordinary ``Linear`` layers, so the quantization methods
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from kvserve.config import MoeConfig
@@ -16,16 +19,47 @@ from kvserve.model.layers.linear import Linear
 
 
 class GatedMLP(torch.nn.Module):
-    """down(SiLU(gate x) * up x), gate and up fused into one matmul (HF names gate/up/down_proj)."""
+    """down(act(gate x, up x)), gate and up fused into one matmul (HF names gate/up/down_proj).
 
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype) -> None:
+    ``act`` None: SiLU(gate) * up, which a quantization method may compute fused with the matmul;
+    else a function of (gate, up), such as ``ClampedSwiGLU``. ``bias``: every projection has one."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, bias: bool = False,
+                 act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * inter, False, dtype,
-                                   shards={"gate_proj": (0, inter), "up_proj": (inter, inter)}, gated=True)
-        self.down_proj = Linear(inter, hidden, False, dtype)
+        self.inter, self.act = inter, act
+        self.gate_up_proj = Linear(hidden, 2 * inter, bias, dtype,
+                                   shards={"gate_proj": (0, inter), "up_proj": (inter, inter)}, gated=act is None)
+        self.down_proj = Linear(inter, hidden, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.project_silu_mul(x))
+        if self.act is None:
+            return self.down_proj(self.gate_up_proj.project_silu_mul(x))
+        gate, up = self.gate_up_proj(x).split((self.inter, self.inter), dim=-1)
+        return self.down_proj(self.act(gate, up))
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation: the gate clamped above at ``limit``, up to [-limit, limit], then
+    gate * sigmoid(alpha * gate) * (up + 1)."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+def expert_activation(moe: MoeConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """The experts' ``act`` for GatedMLP (None: SiLU(gate) * up)."""
+    if moe.activation == "silu":
+        return None
+    if moe.activation == "clamped_swiglu":
+        return ClampedSwiGLU(moe.swiglu_alpha, moe.swiglu_limit)
+    raise ValueError(f"expert activation {moe.activation!r} is not supported; supported: silu, clamped_swiglu")
 
 
 class Router(Linear):
@@ -35,10 +69,14 @@ class Router(Linear):
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool, float32_weights: bool,
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+          softmax_after_topk: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k], expert ids [T, k]) from router logits [T, E], as transformers computes them:
     softmax in float32, top k, optionally renormalised to sum to 1, then rounded to the logits' dtype
-    unless ``float32_weights`` (Mixtral)."""
+    unless ``float32_weights`` (Mixtral). ``softmax_after_topk`` (gpt-oss): the top k logits first,
+    then a softmax over those k in the logits' dtype."""
+    if softmax_after_topk:
+        top, ids = torch.topk(logits, top_k, dim=-1)
+        return torch.softmax(top, dim=-1, dtype=top.dtype), ids
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -54,15 +92,18 @@ class SparseMoeBlock(torch.nn.Module):
         super().__init__()
         self.num_experts, self.top_k = moe.num_experts, moe.experts_per_token
         self.renormalize, self.float32_weights = moe.renormalize, moe.float32_weights
-        self.gate = Router(hidden, moe.num_experts, False, dtype)
-        self.experts = torch.nn.ModuleList(GatedMLP(hidden, moe.expert_intermediate_size, dtype)
+        self.softmax_after_topk = moe.softmax_after_topk
+        self.gate = Router(hidden, moe.num_experts, moe.router_bias, dtype)
+        act = expert_activation(moe)
+        self.experts = torch.nn.ModuleList(GatedMLP(hidden, moe.expert_intermediate_size, dtype, moe.expert_bias, act)
                                            for _ in range(moe.num_experts))
         shared = moe.shared_intermediate_size
         self.shared_expert = GatedMLP(hidden, shared, dtype) if shared else None
         self.shared_expert_gate = Router(hidden, 1, False, dtype) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.float32_weights)
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.float32_weights,
+                             self.softmax_after_topk)
         out = self.run_experts(x, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
