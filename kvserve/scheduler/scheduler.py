@@ -72,6 +72,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.num_pending and request.num_output_tokens >= request.sampling_params.max_tokens:
+                i += 1  # its last token is still on the device: it ends when that is read, computing nothing more
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             spec = self._fit_proposals(request, budget - num_new)
             if not self._make_room(request, num_new + len(spec), out):
@@ -217,7 +220,7 @@ class Scheduler:
             block_table=self.kv_cache.block_table(request.request_id),  # the live list: read it this step only
             sample=start + num_new == request.num_tokens,
             sampling_params=request.sampling_params,
-            num_generated=len(request.output_token_ids),
+            num_generated=request.num_output_tokens,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             spec_token_ids=list(spec or []),
@@ -226,13 +229,25 @@ class Scheduler:
         )
 
     def update_after_step(self, out: SchedulerOutput, num_accepted: dict[str, int] | None = None) -> None:
-        """Advance the counters of every request that ran. A verified request keeps the KV of its last
-        token and its accepted proposals; the slots of rejected ones are simply overwritten later."""
+        """Advance the counters of every request that ran, then publish their KV (``advance``, ``commit``)."""
+        self.advance(out, num_accepted)
+        self.commit(out)
+
+    def advance(self, out: SchedulerOutput, num_accepted: dict[str, int] | None = None) -> None:
+        """Count the step's tokens as computed. A verified request keeps the KV of its last token and
+        its accepted proposals; the slots of rejected ones are simply overwritten later."""
         for s in out.scheduled:
             request = self.requests.get(s.request_id)
             if request is not None:
                 rejected = len(s.spec_token_ids) - (num_accepted or {}).get(s.request_id, 0)
                 request.num_computed_tokens += len(s.token_ids) - rejected
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """Publish the step's newly full blocks in the prefix cache (hashed by content: every token they
+        hold must be known by now) and release the blocks behind a sliding window."""
+        for s in out.scheduled:
+            request = self.requests.get(s.request_id)
+            if request is not None:
                 self.kv_cache.commit_computed(request)
 
 
