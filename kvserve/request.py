@@ -72,9 +72,12 @@ class Request:
         """``all_token_ids[start:end]`` without concatenating the whole history; pending tokens read
         as PLACEHOLDER."""
         p = len(self.prompt_token_ids)
-        known = p + len(self.output_token_ids)
-        if end > known and self.num_pending:
-            return self.token_slice(start, known) + [PLACEHOLDER] * (min(end, self.num_tokens) - max(start, known))
+        if self.num_pending:
+            known = p + len(self.output_token_ids)
+            if start >= known:  # a decode's one input, still on the device
+                return [PLACEHOLDER] * (min(end, known + self.num_pending) - start)
+            if end > known:
+                return self.token_slice(start, known) + [PLACEHOLDER] * (min(end, known + self.num_pending) - known)
         if start >= p:
             return self.output_token_ids[start - p:end - p]
         if end <= p:
