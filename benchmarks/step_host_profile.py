@@ -25,6 +25,7 @@ from pathlib import Path
 
 from kvserve import LLM, SamplingParams
 from kvserve.bench.random_model import write_random_model
+from kvserve.runtime.heap import frozen_heap
 
 
 def profile(llm: LLM, batch: int, steps: int, overlap: bool, cprofile: int) -> dict:
@@ -60,8 +61,9 @@ def profile(llm: LLM, batch: int, steps: int, overlap: bool, cprofile: int) -> d
     if prof:
         prof.enable()
     start = time.perf_counter()
-    for _ in range(steps):
-        core.step()
+    with frozen_heap():  # as LLM.generate and the server run steps
+        for _ in range(steps):
+            core.step()
     wall = time.perf_counter() - start
     if prof:
         prof.disable()
@@ -95,13 +97,16 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--cprofile", type=int, default=0)
+    parser.add_argument("--modes", default="sync,async", help="in this order")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = write_random_model(Path(tmp) / "tiny", "LlamaForCausalLM")
-        llm = LLM(model=str(path), max_num_seqs=args.batch, num_kv_blocks=4096, block_size=16,
-                  enable_prefix_caching=True)
         results = {}
-        for name, overlap in (("sync", False), ("async", True)):
+        for name in args.modes.split(","):
+            overlap = {"sync": False, "async": True}[name]
+            # a fresh engine per mode: a second run on one engine starts with the first's blocks cached
+            llm = LLM(model=str(path), max_num_seqs=args.batch, num_kv_blocks=4096, block_size=16,
+                      enable_prefix_caching=True)
             results[name] = profile(llm, args.batch, args.steps, overlap, args.cprofile)
             text = results[name].pop("cprofile", None)
             print(name, json.dumps(results[name]), flush=True)
