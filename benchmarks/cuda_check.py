@@ -74,8 +74,9 @@ def run_parity(device: str, workdir: Path) -> dict:
     path = write_random_model(workdir / "parity-llama", **PARITY_SHAPE)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, PARITY_SHAPE["vocab_size"]) for _ in range(rng.randint(8, 300))] for _ in range(8)]
+    # chunked prefill shares steps with decodes; async scheduling as on CUDA by default, the dry run included
     llm = LLM(model=str(path), device=device, dtype="float32", num_kv_blocks=512, block_size=16,
-              max_num_batched_tokens=256)  # chunked prefill shares steps with decodes
+              max_num_batched_tokens=256, async_scheduling=True)
     outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), use_tqdm=False)
     hf = load_hf(path).to(device)
     compared, mismatch = 0, None

@@ -433,8 +433,8 @@ class EngineConfig:
     enforce_eager: bool = option(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     async_scheduling: bool | None = option(None, "schedule and prepare step N+1 while the device runs step N, "
                                            "reading sampled tokens one step late (engine/core.py); default: on "
-                                           "for CUDA, off on the CPU (where the forward pass is synchronous "
-                                           "and it measured no faster)")
+                                           "for CUDA, off on the CPU, where the forward pass is synchronous and "
+                                           "it measured no faster (benchmarks/async_scheduling.py)")
     num_threads: int | None = option(None, "torch threads for this process (default: $KVSERVE_NUM_THREADS, else "
                                      "every available core; runtime/threads.py)")
     tensor_parallel_size: int = option(1, "processes that split the model's heads and MLP between them "
