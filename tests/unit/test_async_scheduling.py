@@ -151,3 +151,28 @@ def test_option_and_flag():
     assert "async_scheduling" not in engine_kwargs(parser.parse_args([]))  # the config's default applies
     assert engine_kwargs(parser.parse_args(["--async-scheduling"]))["async_scheduling"] is True
     assert engine_kwargs(parser.parse_args(["--no-async-scheduling"]))["async_scheduling"] is False
+
+
+def test_a_failing_request_is_taken_out_and_the_rest_match(llms, monkeypatch):
+    prompts = random_prompts(3, 5, 30, seed=10)
+    params = SamplingParams(max_tokens=16, **GREEDY)
+    want = _generate(llms[False], prompts, params)
+    engine = llms[True].engine
+    execute = engine.core.runner.execute
+    calls = [0]
+
+    def fails_for_one(out, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] > 4 and any(s.request_id == "bad" for s in out.scheduled):
+            raise RuntimeError("injected")  # mid-stream: the batch is rerun request by request, read at once
+        return execute(out, *args, **kwargs)
+
+    monkeypatch.setattr(engine.core.runner, "execute", fails_for_one)
+    for rid, prompt in zip(("a", "bad", "b"), prompts):
+        engine.add_request(rid, prompt, params)
+    got, failed = {}, []
+    while engine.has_unfinished():
+        got.update({o.request_id: o.outputs[0].token_ids for o in engine.step(finished_only=True)})
+        failed += [e.request_id for e in engine.take_failed()]
+    assert failed == ["bad"] and got == {"a": want[0][0][0], "b": want[2][0][0]}
+    assert_no_leak(llms[True])
