@@ -397,7 +397,7 @@ class EngineCore:
         ``failed``, the rest keep their results (re-running a chunk rewrites the same KV), read at
         once. EngineFatalError once every request of MAX_FAILED_STEPS steps in a row has failed."""
         try:
-            sampled = self.runner.execute(out, previous, defer)
+            sampled = self._run(out, previous, defer)
         except RankFailedError as error:  # no request's fault: the model is gone
             raise EngineFatalError(str(error)) from error
         except Exception as error:  # noqa: BLE001 - sorted out below: one request's fault, or the engine's
@@ -406,12 +406,18 @@ class EngineCore:
             self._failed_steps = 0
         return sampled
 
+    def _run(self, out: SchedulerOutput, previous: SampledTokens | None, defer: bool) -> RunnerOutput:
+        """A synchronous step calls the runner as it always has: ``execute(out)``."""
+        if previous is None and not defer:
+            return self.runner.execute(out)
+        return self.runner.execute(out, previous, defer)
+
     def _execute_each(self, out: SchedulerOutput, error: Exception, previous: SampledTokens | None) -> RunnerOutput:
         log.warning("a step of %d requests raised %r; running each alone", len(out.scheduled), error)
         merged, failed = RunnerOutput(), []
         for s in out.scheduled:
             try:
-                part = self.runner.execute(SchedulerOutput([s], block_copies=out.block_copies), previous)
+                part = self._run(SchedulerOutput([s], block_copies=out.block_copies), previous, False)
             except RankFailedError as e:
                 raise EngineFatalError(str(e)) from e
             except Exception as e:  # noqa: BLE001 - this request is the one at fault
