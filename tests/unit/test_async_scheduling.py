@@ -176,3 +176,14 @@ def test_a_failing_request_is_taken_out_and_the_rest_match(llms, monkeypatch):
         failed += [e.request_id for e in engine.take_failed()]
     assert failed == ["bad"] and got == {"a": want[0][0][0], "b": want[2][0][0]}
     assert_no_leak(llms[True])
+
+
+def test_a_hybrid_model_matches_with_its_window_blocks_released(tmp_path):
+    """Gemma 2's local layers hold only their window (KV groups): the one-step-late loop frees and
+    reuses those blocks as the synchronous one does, across preemptions."""
+    path = make_tiny_model(tmp_path / "gemma2", "Gemma2ForCausalLM", num_hidden_layers=4, sliding_window=12)
+    llms = {overlap: _llm(path, overlap, num_kv_blocks=40, max_num_seqs=8) for overlap in (False, True)}
+    assert llms[True].engine.core.kv_cache.layout.is_hybrid
+    prompts = random_prompts(8, 20, 60, seed=11)
+    _both(llms, prompts, SamplingParams(max_tokens=40, **GREEDY))
+    assert all(llm.engine.core.scheduler.num_preemptions > 0 for llm in llms.values())
