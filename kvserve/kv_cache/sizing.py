@@ -62,6 +62,18 @@ def kv_capacity_tokens(budget_bytes: int, block_size: int, bytes_per_token: int)
     return num_kv_blocks_for_budget(budget_bytes, block_size, bytes_per_token) * block_size
 
 
+def model_kv_bytes_per_token(model: ModelConfig, kv_cache_dtype: str, model_dtype_bytes: int) -> int:
+    """What one token costs in the engine's cache of ``model``: latents for MLA, else K and V."""
+    value_bytes, scale_bytes = kv_element_bytes(kv_cache_dtype, model_dtype_bytes)
+    if model.mla is not None:
+        if scale_bytes:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported for {model.architecture}'s latent "
+                             "cache (multi-head latent attention); use 'auto'")
+        return mla_kv_bytes_per_token(model.num_layers, model.mla.kv_lora_rank, model.mla.qk_rope_head_dim,
+                                      value_bytes)
+    return kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, value_bytes, scale_bytes)
+
+
 @dataclass(frozen=True)
 class KVCacheInfo:
     """The engine's paged pool: how many blocks of how many tokens, and what one token costs."""
@@ -77,8 +89,7 @@ class KVCacheInfo:
 
 def size_kv_cache(config: EngineConfig, model: ModelConfig) -> KVCacheInfo:
     """Blocks to preallocate: ``num_kv_blocks`` if given, else as many as the memory budget holds."""
-    value_bytes, scale_bytes = kv_element_bytes(config.cache.kv_cache_dtype, config.torch_dtype.itemsize)
-    per_token = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, value_bytes, scale_bytes)
+    per_token = model_kv_bytes_per_token(model, config.cache.kv_cache_dtype, config.torch_dtype.itemsize)
     blocks = config.cache.num_kv_blocks or num_kv_blocks_for_budget(
         config.cache.kv_cache_memory_bytes, config.cache.block_size, per_token)
     if blocks < 1:

@@ -131,7 +131,7 @@ def _moe(cfg: dict[str, Any], num_layers: int) -> MoeShape | None:
             shared_intermediate_size=engine.shared_intermediate_size,
             num_moe_layers=sum(engine.is_sparse(i) for i in range(num_layers)),
             router_bias=False,
-            shared_gate=engine.shared_intermediate_size > 0,
+            shared_gate=engine.shared_intermediate_size > 0 and engine.shared_expert_gated,
         )
     experts = cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts")
     if not experts:

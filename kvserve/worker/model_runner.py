@@ -12,6 +12,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.model.attention.backend import AttentionBackend, AttentionMetadata
+from kvserve.model.attention.mla import allocate_latent_cache
 from kvserve.model.models.llama_decode import build_fused_decoder
 from kvserve.sample.grammar import MaskFiller, MaskRequest, apply_bitmask
 from kvserve.sample.rejection import accept_proposals
@@ -34,6 +35,17 @@ class RunnerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
+def allocate_kv_caches(backend: AttentionBackend, config: ModelConfig, num_blocks: int, block_size: int,
+                       dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """One paged cache per layer: the backend's K/V layout, or for latent attention (MLA) one latent
+    row per token (attention/mla.py), the layout ``sizing.mla_kv_bytes_per_token`` counts."""
+    if config.mla is not None:
+        return [allocate_latent_cache(num_blocks, block_size, config.mla.latent_width, dtype, device)
+                for _ in range(config.num_layers)]
+    return [backend.allocate_kv_cache(num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype, device)
+            for _ in range(config.num_layers)]
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, backend: AttentionBackend, num_blocks: int,
                  block_size: int, kv_dtype: torch.dtype, device: torch.device, seed: int = 0,
@@ -41,19 +53,16 @@ class ModelRunner:
         """``cuda_graphs`` = (max batch, max model length): capture decode steps on CUDA for up to that."""
         self.model, self.config, self.backend = model, config, backend
         self.block_size, self.device = block_size, device
-        self.kv_caches = [
-            backend.allocate_kv_cache(num_blocks, block_size, config.num_kv_heads, config.head_dim, kv_dtype, device)
-            for _ in range(config.num_layers)
-        ]
+        self.kv_caches = allocate_kv_caches(backend, config, num_blocks, block_size, kv_dtype, device)
         self.sampler = Sampler(seed)
         self.mask_filler: MaskFiller | None = None  # structured outputs: started with the first constrained request
         self.block_table_rows = BlockTableRows()
         # Pure decode steps in one C++ call where the model and backend allow (bitwise the same result).
         self.fused_decoder = self._build_fused_decoder()
         self.decode_graphs = None
-        # (soft-capped attention takes a path with host values: nothing to capture)
+        # (soft-capped attention and MLA's take paths with host values: nothing to capture)
         if (cuda_graphs is not None and device.type == "cuda" and backend.supports_cuda_graphs
-                and config.attn_logit_softcap is None):
+                and config.attn_logit_softcap is None and config.mla is None):
             self.decode_graphs = capture_decode_graphs(self._eager_forward, *cuda_graphs, block_size, device)
 
     def _build_fused_decoder(self):

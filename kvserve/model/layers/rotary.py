@@ -60,7 +60,10 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int, max_position: int = 0) 
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
         return _llama3_scaling(inv_freq, rope)
-    raise ValueError(f"rope_type={rope.rope_type!r} is not supported; supported: default, linear, llama3, longrope")
+    if rope.rope_type == "yarn":
+        return _yarn_scaling(rope.theta**exponent, rope, dims)
+    raise ValueError(f"rope_type={rope.rope_type!r} is not supported; supported: default, linear, llama3, longrope, "
+                     "yarn")
 
 
 def _llama3_scaling(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
@@ -73,6 +76,23 @@ def _llama3_scaling(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
     is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(is_medium, blended, scaled)
+
+
+def _yarn_scaling(theta_powers: torch.Tensor, rope: RopeConfig, dims: int) -> torch.Tensor:
+    """YaRN: pairs that turn more than ``beta_fast`` times over the original context keep their
+    frequency, those turning fewer than ``beta_slow`` times are divided by ``factor``, and a linear
+    ramp over the pair index blends the two in between (as transformers computes it)."""
+    def pair_of(rotations: float) -> float:  # the (fractional) pair index that turns ``rotations`` times
+        return dims * math.log(rope.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = pair_of(rope.beta_fast), pair_of(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width
+    ramp = ((torch.arange(dims // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return 1.0 / (rope.factor * theta_powers) * ramp + 1.0 / theta_powers * (1 - ramp)
 
 
 class RotaryEmbedding(torch.nn.Module):
