@@ -149,7 +149,9 @@ class MoeConfig:
     softmax over the router's logits in float32, the top ``experts_per_token`` (DeepSeek's
     "group_limited_greedy": only among the experts of the ``topk_groups`` groups whose best expert
     scores highest, of ``num_groups`` equal groups), renormalised to sum to 1 if ``renormalize``
-    (Mixtral always; the others by ``norm_topk_prob``), then times ``routed_scaling_factor``."""
+    (Mixtral always; the others by ``norm_topk_prob``), then times ``routed_scaling_factor``.
+    DeepSeek-V3 (``scoring`` "sigmoid", its "noaux_tc"): sigmoid scores, experts chosen by score plus
+    a learnt correction bias, groups ranked by the sum of their two best biased scores."""
 
     num_experts: int
     experts_per_token: int
@@ -163,6 +165,8 @@ class MoeConfig:
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
+    scoring: str = "softmax"
+    float32_router: bool = False  # DeepSeek: transformers keeps the router's weight and logits in float32
     # Per layer: whether its MLP is the sparse block (Qwen-MoE's decoder_sparse_step / mlp_only_layers)
     sparse_layers: tuple[bool, ...] = ()
 
@@ -180,7 +184,7 @@ class MoeConfig:
     @staticmethod
     def from_hf(cfg: dict[str, Any], arch: str, num_layers: int) -> MoeConfig | None:
         if arch in _DEEPSEEK_ARCHITECTURES:
-            return MoeConfig._deepseek(cfg, num_layers)
+            return MoeConfig._deepseek(cfg, arch, num_layers)
         if arch not in _MOE_ARCHITECTURES:
             return None
         mixtral = arch == "MixtralForCausalLM"
@@ -209,15 +213,17 @@ class MoeConfig:
 
 
     @staticmethod
-    def _deepseek(cfg: dict[str, Any], num_layers: int) -> MoeConfig:
-        """DeepSeek-V2: ``n_routed_experts`` routed and ``n_shared_experts`` shared experts of
+    def _deepseek(cfg: dict[str, Any], arch: str, num_layers: int) -> MoeConfig:
+        """DeepSeek-V2/V3: ``n_routed_experts`` routed and ``n_shared_experts`` shared experts of
         ``moe_intermediate_size`` each; layers from ``first_k_dense_replace`` on, every
-        ``moe_layer_freq``-th, are sparse. Group-limited routing by ``topk_method``."""
-        method = cfg.get("topk_method") or "greedy"
-        if method not in ("greedy", "group_limited_greedy"):
-            raise ValueError(f"config.json: topk_method={method!r} is not supported; supported: greedy, "
+        ``moe_layer_freq``-th, are sparse. V2 routes by ``topk_method``; V3 always as "noaux_tc"
+        (transformers' DeepSeek-V3 reads no topk_method)."""
+        v3 = arch == "DeepseekV3ForCausalLM"
+        method = "noaux_tc" if v3 else cfg.get("topk_method") or "greedy"
+        if not v3 and method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"config.json: topk_method={method!r} is not supported for {arch}; supported: greedy, "
                              "group_limited_greedy")
-        grouped = method == "group_limited_greedy"
+        grouped = method != "greedy"
         inter = int(cfg["moe_intermediate_size"])
         first, freq = int(cfg.get("first_k_dense_replace") or 0), int(cfg.get("moe_layer_freq") or 1)
         return MoeConfig(
@@ -231,12 +237,14 @@ class MoeConfig:
             num_groups=int(cfg.get("n_group") or 1) if grouped else 1,
             topk_groups=int(cfg.get("topk_group") or 1) if grouped else 1,
             routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+            scoring="sigmoid" if v3 else "softmax",
+            float32_router=True,
             sparse_layers=tuple(i >= first and i % freq == 0 for i in range(num_layers)),
         )
 
 
 _MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
-_DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM",)
+_DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -250,6 +258,7 @@ class MlaConfig:
     qk_nope_head_dim: int
     v_head_dim: int
     q_lora_rank: int | None = None
+    rope_interleaved: bool = True  # the checkpoint pairs rotary dims (2i, 2i + 1); V3's rope_interleave
 
     @property
     def latent_width(self) -> int:
@@ -262,7 +271,8 @@ class MlaConfig:
             return None
         q_rank = cfg.get("q_lora_rank")
         return MlaConfig(int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"]), int(cfg["qk_nope_head_dim"]),
-                         int(cfg["v_head_dim"]), int(q_rank) if q_rank else None)
+                         int(cfg["v_head_dim"]), int(q_rank) if q_rank else None,
+                         rope_interleaved=bool(cfg.get("rope_interleave", True)))
 
 
 @dataclass(frozen=True)

@@ -7,33 +7,38 @@ Its cache costs what the capacity planner says, a small share of per-head K/V.""
 from __future__ import annotations
 
 import pytest
+import torch
 
-from kvserve import LLM
+from kvserve import LLM, SamplingParams
 from kvserve.config import ModelConfig
 from tests.conftest import assert_no_leak, make_tiny_model
 from tests.models.reference import generate_and_check, load_hf, motif_prompts, random_prompts
 
-# 3 layers: layer 0 dense, 1 and 2 sparse, each routing to 2 or 3 of 8 experts plus 2 shared
+# 3 layers: layer 0 dense, 1 and 2 sparse, each routing to 2 or 3 of 8 experts plus shared ones
 _COMMON = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
-               qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2,
-               moe_intermediate_size=32, n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=1.5)
+               qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8, v_head_dim=12, n_routed_experts=8,
+               num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=2, first_k_dense_replace=1,
+               routed_scaling_factor=1.5)
+_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128, mscale=1.0,
+             mscale_all_dim=0.8, beta_fast=32, beta_slow=1)  # mscale differs from mscale_all_dim: both matter
 VARIANTS = {
     # V2-Lite's layout: queries straight from q_proj, greedy top k
-    "lite": dict(_COMMON, q_lora_rank=None, topk_method="greedy"),
-    # V2's: a query LoRA, YaRN RoPE (mscale differs from mscale_all_dim), group-limited routing: the
-    # top 3 of the 4 experts in the 2 groups (of 4) whose best expert scores highest
-    "lora_yarn": dict(_COMMON, q_lora_rank=24, topk_method="group_limited_greedy", n_group=4, topk_group=2,
-                      num_experts_per_tok=3,
-                      rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
-                                           original_max_position_embeddings=128, mscale=1.0,
-                                           mscale_all_dim=0.8, beta_fast=32, beta_slow=1)),
+    "v2_lite": ("DeepseekV2ForCausalLM", dict(_COMMON, q_lora_rank=None, topk_method="greedy")),
+    # V2's: a query LoRA, YaRN RoPE, group-limited routing: the top 3 of the 4 experts in the 2
+    # groups (of 4) whose best expert scores highest
+    "v2_lora_yarn": ("DeepseekV2ForCausalLM", dict(_COMMON, q_lora_rank=24, topk_method="group_limited_greedy",
+                                                   n_group=4, topk_group=2, num_experts_per_tok=3,
+                                                   rope_parameters=_YARN)),
+    # V3's routing: sigmoid scores, a correction bias (random: random_model.py), renormalised weights
+    "v3": ("DeepseekV3ForCausalLM", dict(_COMMON, q_lora_rank=24, n_group=4, topk_group=2, num_experts_per_tok=3,
+                                         n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=2.5)),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def tiny_deepseek(request, tmp_path_factory):
-    path = make_tiny_model(tmp_path_factory.mktemp(f"tiny-deepseek-{request.param}"), "DeepseekV2ForCausalLM",
-                           **VARIANTS[request.param])
+    arch, overrides = VARIANTS[request.param]
+    path = make_tiny_model(tmp_path_factory.mktemp(f"tiny-deepseek-{request.param}"), arch, **overrides)
     return request.param, path, load_hf(path)
 
 
@@ -46,8 +51,11 @@ def test_deepseek_v2_matches_transformers(tiny_deepseek):
     # the cache holds a latent row per token and layer, and sizing counts exactly that
     assert runner.kv_caches[0].shape == (1, 256, 4, 32 + 8)
     assert core.kv_info.bytes_per_token == 3 * (32 + 8) * 4
-    if variant == "lora_yarn":
+    if variant == "v2_lora_yarn":
         assert cfg.moe.num_groups == 4 and cfg.rope.softmax_mscale != 1.0 and cfg.rope.attention_factor != 1.0
+    if variant == "v3":
+        assert cfg.moe.scoring == "sigmoid" and cfg.moe.renormalize
+        assert float(runner.model.model.layers[1].mlp.e_score_correction_bias.abs().sum()) > 0
     assert runner.fused_decoder is None
     prompts = random_prompts(5, 5, 50, seed=1)
     prompts.append(prompts[4][:32] + [5, 6, 7])  # a prefix-cache hit
@@ -97,3 +105,17 @@ def test_quantized_latent_cache_is_refused():
     with pytest.raises(ValueError, match="kv_cache_dtype='int8'"):
         size_kv_cache(EngineConfig(dtype="bfloat16", cache=CacheConfig(kv_cache_dtype="int8")),
                       ModelConfig.from_hf(V2_LITE))
+
+
+def test_int8_keeps_the_router_float32_and_kv_b_dense(tmp_path):
+    arch, overrides = VARIANTS["v2_lite"]
+    path = make_tiny_model(tmp_path, arch, **overrides)
+    llm = LLM(model=str(path), dtype="bfloat16", num_kv_blocks=64, block_size=4, quantization="int8")
+    layer = llm.engine.core.runner.model.model.layers[1]
+    assert layer.mlp.gate.method.name == "dense" and layer.mlp.gate.weight.dtype == torch.float32
+    assert all(e.down_proj.method.name.startswith("int8") for e in layer.mlp.experts)
+    assert layer.self_attn.kv_b_proj.weight.dtype == torch.bfloat16  # read per head by the absorbed decode
+    outs = llm.generate(random_prompts(3, 5, 20, seed=4), SamplingParams(max_tokens=8, temperature=0,
+                                                                         ignore_eos=True), use_tqdm=False)
+    assert all(len(o.token_ids) == 8 for o in outs)
+    assert_no_leak(llm)

@@ -35,16 +35,26 @@ class Router(Linear):
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool, float32_weights: bool, num_groups: int = 1,
-          topk_groups: int = 1, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+          topk_groups: int = 1, scale: float = 1.0, choice_bias: torch.Tensor | None = None,
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k], expert ids [T, k]) from router logits [T, E], as transformers computes them:
     softmax in float32, top k, optionally renormalised to sum to 1, times ``scale`` (DeepSeek's
     routed_scaling_factor), then rounded to the logits' dtype unless ``float32_weights`` (Mixtral,
     DeepSeek). With ``num_groups`` > 1 the experts form that many equal groups and the top k come
-    from the ``topk_groups`` groups with the best single expert (DeepSeek's group_limited_greedy)."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    if num_groups > 1:
-        probs = _keep_best_groups(probs, num_groups, topk_groups)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+    from the ``topk_groups`` groups with the best single expert (DeepSeek-V2's group_limited_greedy).
+
+    With ``choice_bias`` [E] (DeepSeek-V3) the scores are sigmoids instead; experts are chosen by
+    score + bias, groups ranked by the sum of their two best biased scores, and each chosen expert
+    is weighted by its unbiased score."""
+    if choice_bias is None:
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        choice = scores if num_groups == 1 else _keep_best_groups(scores, num_groups, topk_groups, 1)
+        weights, ids = torch.topk(choice, top_k, dim=-1)
+    else:
+        scores = logits.float().sigmoid()
+        choice = _keep_best_groups(scores + choice_bias, num_groups, topk_groups, 2)
+        ids = torch.topk(choice, top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     if scale != 1.0:
@@ -52,12 +62,14 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, float32_weights: 
     return (weights if float32_weights else weights.to(logits.dtype)), ids
 
 
-def _keep_best_groups(probs: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
-    """probs with every expert outside the ``topk_groups`` best groups (by their best expert) set to 0."""
-    grouped = probs.view(probs.shape[0], num_groups, -1)  # [T, groups, experts per group]
-    best = torch.topk(grouped.max(dim=-1).values, topk_groups, dim=-1).indices
-    keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=probs.device).scatter_(1, best, True)
-    return grouped.masked_fill(~keep[:, :, None], 0.0).view_as(probs)
+def _keep_best_groups(scores: torch.Tensor, num_groups: int, topk_groups: int, best_of: int) -> torch.Tensor:
+    """scores with every expert outside the ``topk_groups`` best groups set to -inf; a group's
+    rank is the sum of its ``best_of`` highest scores."""
+    grouped = scores.view(scores.shape[0], num_groups, -1)  # [T, groups, experts per group]
+    rank = grouped.topk(best_of, dim=-1).values.sum(dim=-1) if best_of > 1 else grouped.max(dim=-1).values
+    best = torch.topk(rank, topk_groups, dim=-1).indices
+    keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=scores.device).scatter_(1, best, True)
+    return grouped.masked_fill(~keep[:, :, None], float("-inf")).view_as(scores)
 
 
 class SparseMoeBlock(torch.nn.Module):
@@ -70,16 +82,22 @@ class SparseMoeBlock(torch.nn.Module):
         self.num_experts, self.top_k = moe.num_experts, moe.experts_per_token
         self.renormalize, self.float32_weights = moe.renormalize, moe.float32_weights
         self.num_groups, self.topk_groups, self.scale = moe.num_groups, moe.topk_groups, moe.routed_scaling_factor
-        self.gate = Router(hidden, moe.num_experts, False, dtype)
+        self.float32_router = moe.float32_router
+        self.gate = Router(hidden, moe.num_experts, False, torch.float32 if moe.float32_router else dtype)
         self.experts = torch.nn.ModuleList(GatedMLP(hidden, moe.expert_intermediate_size, dtype)
                                            for _ in range(moe.num_experts))
         shared = moe.shared_intermediate_size
         self.shared_expert = GatedMLP(hidden, shared, dtype) if shared else None
         self.shared_expert_gate = Router(hidden, 1, False, dtype) if shared and moe.shared_expert_gated else None
+        # DeepSeek-V3: added to the scores only to choose experts (HF name: gate.e_score_correction_bias)
+        self.e_score_correction_bias = None
+        if moe.scoring == "sigmoid":
+            self.e_score_correction_bias = torch.nn.Parameter(torch.zeros(moe.num_experts), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.float32_weights, self.num_groups,
-                             self.topk_groups, self.scale)
+        logits = self.gate(x.float() if self.float32_router else x)
+        weights, ids = route(logits, self.top_k, self.renormalize, self.float32_weights, self.num_groups,
+                             self.topk_groups, self.scale, self.e_score_correction_bias)
         out = self.run_experts(x, weights, ids)
         if self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

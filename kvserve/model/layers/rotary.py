@@ -92,7 +92,8 @@ def _yarn_scaling(theta_powers: torch.Tensor, rope: RopeConfig, dims: int) -> to
     if low == high:
         high += 0.001  # a ramp of zero width
     ramp = ((torch.arange(dims // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    return 1.0 / (rope.factor * theta_powers) * ramp + 1.0 / theta_powers * (1 - ramp)
+    kept = 1 - ramp  # the share of the original frequency (rounded as transformers rounds it)
+    return 1.0 / (rope.factor * theta_powers) * (1 - kept) + 1.0 / theta_powers * kept
 
 
 class RotaryEmbedding(torch.nn.Module):

@@ -1,4 +1,4 @@
-"""DeepSeek-V2 (and V2-Lite): multi-head latent attention and DeepSeek's mixture of experts on the
+"""DeepSeek-V2 (and V2-Lite) and DeepSeek-V3 (less its multi-token prediction): multi-head latent attention and DeepSeek's mixture of experts on the
 Llama decoder's skeleton (pre-norm layers, residual stream, output head).
 
 - Attention (``MlaAttention``): keys and values come from one compressed latent per token, which is
@@ -7,9 +7,11 @@ Llama decoder's skeleton (pre-norm layers, residual stream, output head).
   (V2-Lite). With YaRN RoPE the softmax scale carries DeepSeek's mscale squared.
 - MLP: the first ``first_k_dense_replace`` layers are dense; the others route each token to
   ``num_experts_per_tok`` of ``n_routed_experts`` (greedy or group-limited top k, times
-  ``routed_scaling_factor``) and add ungated shared experts (layers/moe.py).
-- The checkpoint's rotary dims are interleaved pairs (2i, 2i + 1); they are reordered at load to
-  the rotate-half layout (i, i + D/2) the rotary kernels use, in q and k alike, so scores are kept.
+  ``routed_scaling_factor``) and add ungated shared experts (layers/moe.py). V3 differs only in
+  its routing (sigmoid scores with a correction bias, config.MoeConfig).
+- The checkpoint's rotary dims are interleaved pairs (2i, 2i + 1) (unless V3's rope_interleave is
+  false); they are reordered at load to the rotate-half layout (i, i + D/2) the rotary kernels
+  use, in q and k alike, so scores are kept.
 """
 
 from __future__ import annotations
@@ -92,15 +94,18 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
         """HF names; ``shared_experts`` load into the MoE block's ``shared_expert``, the rotary rows
         are reordered (see the module doc) and multi-token-prediction layers past the last are skipped."""
         cfg = self.config
-        load_checkpoint(self, _rotary_rows_to_halves(_renamed(weights, cfg.num_layers), cfg),
-                        skip=("lm_head.",) if self.lm_head is None else ())
+        weights = _renamed(weights, cfg.num_layers)
+        if cfg.mla.rope_interleaved:
+            weights = _rotary_rows_to_halves(weights, cfg)
+        load_checkpoint(self, weights, skip=("lm_head.",) if self.lm_head is None else ())
 
 
 def _renamed(weights: Iterable[tuple[str, torch.Tensor]], num_layers: int):
     for name, tensor in weights:
         if name.startswith("model.layers.") and int(name.split(".")[2]) >= num_layers:
             continue  # DeepSeek-V3's multi-token-prediction layers
-        yield name.replace(".mlp.shared_experts.", ".mlp.shared_expert."), tensor
+        name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
+        yield name.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias"), tensor
 
 
 def _rotary_rows_to_halves(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig):
@@ -124,3 +129,7 @@ def _rotary_rows_to_halves(weights: Iterable[tuple[str, torch.Tensor]], cfg: Mod
 def _take_rows(tensor, rows: torch.Tensor):
     return tensor[rows] if isinstance(tensor, torch.Tensor) else tensor.take_rows(rows.numpy())
 
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """V2's model; the routing differences are the config's (MoeConfig.scoring)."""
