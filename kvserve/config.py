@@ -211,13 +211,14 @@ class MoeConfig:
             sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
         )
 
-
     @staticmethod
     def _deepseek(cfg: dict[str, Any], arch: str, num_layers: int) -> MoeConfig:
         """DeepSeek-V2/V3: ``n_routed_experts`` routed and ``n_shared_experts`` shared experts of
         ``moe_intermediate_size`` each; layers from ``first_k_dense_replace`` on, every
         ``moe_layer_freq``-th, are sparse. V2 routes by ``topk_method``; V3 always as "noaux_tc"
-        (transformers' DeepSeek-V3 reads no topk_method)."""
+        (transformers' DeepSeek-V3 reads no topk_method). V2 with ``norm_topk_prob`` renormalises
+        instead of scaling, as DeepSeek's own V2 code does (transformers' V2 ignores the flag; the
+        released V2 configs all leave it false); V3 renormalises, then scales."""
         v3 = arch == "DeepseekV3ForCausalLM"
         method = "noaux_tc" if v3 else cfg.get("topk_method") or "greedy"
         if not v3 and method not in ("greedy", "group_limited_greedy"):
@@ -225,18 +226,20 @@ class MoeConfig:
                              "group_limited_greedy")
         grouped = method != "greedy"
         inter = int(cfg["moe_intermediate_size"])
+        renormalize = bool(cfg.get("norm_topk_prob", False)) and int(cfg["num_experts_per_tok"]) > 1
+        scale = float(cfg.get("routed_scaling_factor") or 1.0)
         first, freq = int(cfg.get("first_k_dense_replace") or 0), int(cfg.get("moe_layer_freq") or 1)
         return MoeConfig(
             num_experts=int(cfg["n_routed_experts"]),
             experts_per_token=int(cfg["num_experts_per_tok"]),
             expert_intermediate_size=inter,
-            renormalize=bool(cfg.get("norm_topk_prob", False)),
+            renormalize=renormalize,
             float32_weights=True,  # transformers weighs the experts' outputs in float32
             shared_intermediate_size=inter * int(cfg.get("n_shared_experts") or 0),
             shared_expert_gated=False,
             num_groups=int(cfg.get("n_group") or 1) if grouped else 1,
             topk_groups=int(cfg.get("topk_group") or 1) if grouped else 1,
-            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+            routed_scaling_factor=1.0 if renormalize and not v3 else scale,
             scoring="sigmoid" if v3 else "softmax",
             float32_router=True,
             sparse_layers=tuple(i >= first and i % freq == 0 for i in range(num_layers)),

@@ -155,6 +155,12 @@ def test_deepseek_sparse_layers_and_experts_from_config():
     moe = MoeConfig.from_hf(cfg, "DeepseekV2ForCausalLM", 5)
     assert moe.sparse_layers == (False, False, True, False, True)
     assert moe.shared_intermediate_size == 32 and not moe.shared_expert_gated and moe.float32_weights
+    # DeepSeek's own V2 code renormalises instead of scaling; V3 does both
+    v2_norm = MoeConfig.from_hf({**cfg, "norm_topk_prob": True, "routed_scaling_factor": 16.0},
+                                "DeepseekV2ForCausalLM", 5)
+    assert v2_norm.renormalize and v2_norm.routed_scaling_factor == 1.0
+    v3 = MoeConfig.from_hf({**cfg, "norm_topk_prob": True, "routed_scaling_factor": 2.5}, "DeepseekV3ForCausalLM", 5)
+    assert v3.renormalize and v3.routed_scaling_factor == 2.5 and v3.scoring == "sigmoid"
     with pytest.raises(ValueError, match="topk_method"):
         MoeConfig.from_hf({**cfg, "topk_method": "noaux_tc"}, "DeepseekV2ForCausalLM", 5)
     with pytest.raises(ValueError, match="n_group"):

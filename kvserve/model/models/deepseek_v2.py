@@ -1,5 +1,6 @@
-"""DeepSeek-V2 (and V2-Lite) and DeepSeek-V3 (less its multi-token prediction): multi-head latent attention and DeepSeek's mixture of experts on the
-Llama decoder's skeleton (pre-norm layers, residual stream, output head).
+"""DeepSeek-V2 (and V2-Lite) and DeepSeek-V3 (less its multi-token prediction): multi-head latent
+attention and DeepSeek's mixture of experts on the Llama decoder's skeleton (pre-norm layers,
+residual stream, output head).
 
 - Attention (``MlaAttention``): keys and values come from one compressed latent per token, which is
   what the paged cache stores with the decoupled rotary key (attention/mla.py); queries come
@@ -50,7 +51,8 @@ class MlaAttention(torch.nn.Module):
         self.num_heads, self.nope, self.rope, self.v_head_dim = heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
         self.rank = m.kv_lora_rank
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-        if m.q_lora_rank is None:
+        self.q_lora = m.q_lora_rank is not None
+        if not self.q_lora:
             self.q_proj = Linear(hidden, heads * qk, False, dtype)
         else:
             self.q_a_proj = Linear(hidden, m.q_lora_rank, bias, dtype)
@@ -65,7 +67,7 @@ class MlaAttention(torch.nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """``backend`` is unused: the latent cache has its own attention (attention/mla.py)."""
-        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q_nope, q_rope = q.view(-1, self.num_heads, self.nope + self.rope).split((self.nope, self.rope), dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split((self.rank, self.rope), dim=-1)
         q_rope, k_rope = q_rope.contiguous(), k_rope.contiguous().view(-1, 1, self.rope)
@@ -128,7 +130,6 @@ def _rotary_rows_to_halves(weights: Iterable[tuple[str, torch.Tensor]], cfg: Mod
 
 def _take_rows(tensor, rows: torch.Tensor):
     return tensor[rows] if isinstance(tensor, torch.Tensor) else tensor.take_rows(rows.numpy())
-
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
