@@ -30,7 +30,7 @@ DOCUMENT = Path(__file__).resolve().parent.parent / "tests" / "data" / "alice29.
 DOC_CHARS = 6000
 QUESTIONS = ["Who is in this passage?", "What happens next?", "Why is that?", "Quote one line.",
              "What is the most surprising part?", "Summarise it for me.", "And after that?", "Anything else?"]
-KV_BLOCKS = 560  # x 16 tokens per replica: about half of 8 conversations' final histories
+KV_BLOCKS = 560  # x 16 tokens per replica: about half of 8 conversations' final histories (--kv-blocks)
 
 
 async def _turn(client: httpx.AsyncClient, url: str, history: list[dict]) -> tuple[float, str]:
@@ -76,9 +76,9 @@ def _sum_metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
-def run(router: str, conversations: int, turns: int, backend: str) -> dict:
+def run(router: str, conversations: int, turns: int, backend: str, kv_blocks: int) -> dict:
     args = ["--data-parallel-size", "2", "--router", router, "--distributed-backend", backend,
-            "--num-kv-blocks", str(KV_BLOCKS), "--block-size", "16", "--num-threads", "1"]  # a core each
+            "--num-kv-blocks", str(kv_blocks), "--block-size", "16", "--num-threads", "1"]  # a core each
     with ServerProcess(args, startup_timeout=900) as server:
         ttfts = asyncio.run(_workload(server.base_url, conversations, turns))
         text = httpx.get(server.url("/metrics"), timeout=10).text
@@ -94,15 +94,18 @@ def main() -> None:
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--backend", choices=["mp", "ray"], default="mp")
+    p.add_argument("--kv-blocks", type=int, default=KV_BLOCKS, help="blocks of 16 tokens in each replica's pool")
     p.add_argument("--json", default=None, help="write the results here too")
     args = p.parse_args()
-    rows = [run(r, args.conversations, args.turns, args.backend) for r in ("round-robin", "prefix-aware")]
+    rows = [run(r, args.conversations, args.turns, args.backend, args.kv_blocks)
+            for r in ("round-robin", "prefix-aware")]
     for r in rows:
         print(f"{r['router']:13} prefix hit rate {r['prefix_hit_rate']:.3f} ({r['prefix_hits']:.0f} of "
               f"{r['prefix_queries']:.0f} prompt tokens), TTFT p50 {r['ttft_p50_s']:.3f} s, p90 {r['ttft_p90_s']:.3f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"conversations": args.conversations, "turns": args.turns, "results": rows}, f, indent=2)
+            json.dump({"conversations": args.conversations, "turns": args.turns, "kv_blocks": args.kv_blocks,
+                       "results": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

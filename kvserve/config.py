@@ -61,9 +61,10 @@ class RopeConfig:
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
     rotary_fraction: float = 1.0  # partial_rotary_factor: the share of each head's dims that rotate
-    # YaRN: the frequencies blend between interpolated and original over the dims whose rotations in
-    # the original context fall between beta_slow and beta_fast; DeepSeek's MLA also scales its
-    # softmax by the square of mscale(factor, mscale_all_dim) (``softmax_mscale``).
+    # YaRN (gpt-oss, DeepSeek): pairs turning fewer than beta_slow times over the original context are
+    # interpolated (divided by factor), more than beta_fast kept, a linear ramp between; ``truncate``
+    # rounds the ramp's ends outwards to whole dims. The gain on cos/sin is ``attention_factor``;
+    # DeepSeek's MLA also scales its softmax by mscale(factor, mscale_all_dim) squared (``softmax_mscale``).
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     truncate: bool = True
@@ -91,11 +92,11 @@ class RopeConfig:
         original = int(params.get("original_max_position_embeddings",
                                   cfg.get("original_max_position_embeddings", 8192)))
         attention_factor = 1.0
+        factor = params.get("factor")
         if rope_type == "longrope":
             attention_factor = _longrope_attention_factor(params, cfg, original)
-        factor = params.get("factor")
         if rope_type == "yarn":
-            if factor is None:  # DeepSeek-V3 style: the stretch of the context over the original
+            if factor is None:  # transformers' rule: the stretch from the original context
                 factor = int(cfg.get("max_position_embeddings", 4096)) / original
             attention_factor = _yarn_attention_factor(params, float(factor))
         return RopeConfig(
@@ -145,13 +146,18 @@ def _longrope_attention_factor(params: dict[str, Any], cfg: dict[str, Any], orig
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """Mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2), as transformers routes them:
-    softmax over the router's logits in float32, the top ``experts_per_token`` (DeepSeek's
-    "group_limited_greedy": only among the experts of the ``topk_groups`` groups whose best expert
-    scores highest, of ``num_groups`` equal groups), renormalised to sum to 1 if ``renormalize``
-    (Mixtral always; the others by ``norm_topk_prob``), then times ``routed_scaling_factor``.
-    DeepSeek-V3 (``scoring`` "sigmoid", its "noaux_tc"): sigmoid scores, experts chosen by score plus
-    a learnt correction bias, groups ranked by the sum of their two best biased scores."""
+    """Mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, gpt-oss), as transformers
+    routes them (layers/moe.py ``route``). By ``scoring``:
+
+    - "softmax": softmax over the router's logits in float32, the top ``experts_per_token`` (with
+      ``num_groups`` > 1, DeepSeek-V2's "group_limited_greedy": only among the experts of the
+      ``topk_groups`` groups whose best expert scores highest);
+    - "sigmoid" (DeepSeek-V3's "noaux_tc"): sigmoid scores, experts chosen by score plus a learnt
+      correction bias, groups ranked by the sum of their two best biased scores;
+    - "topk_softmax" (gpt-oss): the top k logits first, then a softmax over those k alone.
+
+    The weights are then renormalised to sum to 1 if ``renormalize`` (Mixtral always; the others by
+    ``norm_topk_prob``) and multiplied by ``routed_scaling_factor``."""
 
     num_experts: int
     experts_per_token: int
@@ -165,15 +171,24 @@ class MoeConfig:
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
-    scoring: str = "softmax"
+    scoring: str = "softmax"  # "softmax", "sigmoid" or "topk_softmax" (see above)
     float32_router: bool = False  # DeepSeek: transformers keeps the router's weight and logits in float32
     # Per layer: whether its MLP is the sparse block (Qwen-MoE's decoder_sparse_step / mlp_only_layers)
     sparse_layers: tuple[bool, ...] = ()
+    router_bias: bool = False  # gpt-oss: the router's logits have a bias
+    expert_bias: bool = False  # gpt-oss: the experts' gate/up and down projections have biases
+    # The experts' activation: "silu" (SiLU(gate) * up) or "clamped_swiglu" (gpt-oss, layers/moe.py),
+    # with its sigmoid gain ``swiglu_alpha`` and clamp ``swiglu_limit``.
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def is_sparse(self, layer: int) -> bool:
         return self.sparse_layers[layer] if self.sparse_layers else True
 
     def __post_init__(self) -> None:
+        if self.scoring not in _MOE_SCORINGS:
+            raise ValueError(f"MoE scoring={self.scoring!r} is not supported; supported: {', '.join(_MOE_SCORINGS)}")
         if self.num_experts % self.num_groups or not 1 <= self.topk_groups <= self.num_groups:
             raise ValueError(f"config.json: n_group={self.num_groups} must divide the {self.num_experts} experts "
                              f"and topk_group={self.topk_groups} must be in [1, n_group]")
@@ -185,6 +200,8 @@ class MoeConfig:
     def from_hf(cfg: dict[str, Any], arch: str, num_layers: int) -> MoeConfig | None:
         if arch in _DEEPSEEK_ARCHITECTURES:
             return MoeConfig._deepseek(cfg, arch, num_layers)
+        if arch == "GptOssForCausalLM":
+            return MoeConfig._gpt_oss(cfg)
         if arch not in _MOE_ARCHITECTURES:
             return None
         mixtral = arch == "MixtralForCausalLM"
@@ -245,9 +262,24 @@ class MoeConfig:
             sparse_layers=tuple(i >= first and i % freq == 0 for i in range(num_layers)),
         )
 
+    @staticmethod
+    def _gpt_oss(cfg: dict[str, Any]) -> MoeConfig:
+        experts, per_token = int(cfg.get("num_local_experts") or 0), int(cfg.get("num_experts_per_tok") or 0)
+        if experts < 1 or not 1 <= per_token <= experts:
+            raise ValueError(f"config.json: GptOssForCausalLM needs 1 <= num_experts_per_tok ({per_token}) <= "
+                             f"num_local_experts ({experts})")
+        return MoeConfig(
+            num_experts=experts, experts_per_token=per_token,
+            expert_intermediate_size=int(cfg["intermediate_size"]),
+            scoring="topk_softmax", router_bias=True, expert_bias=True, activation="clamped_swiglu",
+            # transformers' defaults, for configs that leave them out (the released ones omit alpha)
+            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        )
+
 
 _MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
 _DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+_MOE_SCORINGS = ("softmax", "sigmoid", "topk_softmax")
 
 
 @dataclass(frozen=True)
@@ -276,6 +308,8 @@ class MlaConfig:
         return MlaConfig(int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"]), int(cfg["qk_nope_head_dim"]),
                          int(cfg["v_head_dim"]), int(q_rank) if q_rank else None,
                          rope_interleaved=bool(cfg.get("rope_interleave", True)))
+
+
 
 
 @dataclass(frozen=True)

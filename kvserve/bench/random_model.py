@@ -16,7 +16,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3
                 "Gemma3ForCausalLM": "gemma3_text", "SmolLM3ForCausalLM": "smollm3",
                 "Phi3ForCausalLM": "phi3",
                 "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
-                "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe",
+                "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe", "GptOssForCausalLM": "gpt_oss",
                 "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
 
 # Tiny defaults: 2 layers, GQA 4/2, head_dim 16; overridden per call.
@@ -68,6 +68,10 @@ def write_random_model(path: Path, arch: str = "LlamaForCausalLM", seed: int = 0
         for name, param in model.named_parameters():
             if "norm" in name:
                 torch.nn.init.normal_(param, std=0.3)
+    if model_type == "gpt_oss":  # biases and sinks start at zero or tiny: make them change tokens
+        for name, param in model.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                torch.nn.init.normal_(param, std=1.0)
     model.save_pretrained(path)
     word_tokenizer(config.vocab_size).save_pretrained(path)
     return Path(path)

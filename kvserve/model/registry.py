@@ -7,6 +7,7 @@ import torch
 from kvserve.model.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from kvserve.model.models.gemma2 import Gemma2ForCausalLM
 from kvserve.model.models.gemma3 import Gemma3ForCausalLM
+from kvserve.model.models.gpt_oss import GptOssForCausalLM
 from kvserve.model.models.llama import LlamaForCausalLM
 from kvserve.model.models.mixtral import MixtralForCausalLM
 from kvserve.model.models.olmoe import OlmoeForCausalLM
@@ -19,6 +20,7 @@ _MODELS: dict[str, type[torch.nn.Module]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,

@@ -65,7 +65,7 @@ def test_block_matches_transformers(case, dtype):
     x = torch.randn(1, 40, HIDDEN, dtype=dtype)
     with torch.no_grad():
         _, hf_weights, hf_ids = hf.gate(x[0])
-        weights, ids = route(ours.gate(x[0]), moe.experts_per_token, moe.renormalize, moe.float32_weights)
+        weights, ids = route(ours.gate(x[0]), moe)
         assert torch.equal(ids, hf_ids)
         assert weights.dtype == hf_weights.dtype
         torch.testing.assert_close(weights, hf_weights, rtol=0, atol=0)
@@ -90,7 +90,7 @@ def test_each_active_expert_runs_once_per_forward():
         expert.register_forward_pre_hook(hook)
     x = torch.randn(32, HIDDEN)  # a decode step at batch 32
     with torch.no_grad():
-        _, ids = route(block.gate(x), 2, False, False)
+        _, ids = route(block.gate(x), moe)
         block(x)
     chosen = torch.bincount(ids.flatten(), minlength=moe.num_experts).tolist()
     assert rows == chosen  # every (token, expert) pair went to its expert
@@ -140,8 +140,7 @@ def test_deepseek_routing_matches_transformers(case):
             bias = hf.e_score_correction_bias.normal_(0, 0.3)
         x = torch.randn(64, HIDDEN)
         _, hf_weights, hf_ids = hf(x)
-        weights, ids = route(x @ hf.weight.T, moe.experts_per_token, moe.renormalize, moe.float32_weights,
-                             moe.num_groups, moe.topk_groups, moe.routed_scaling_factor, bias)
+        weights, ids = route(x @ hf.weight.T, moe, bias)
     order, hf_order = ids.argsort(dim=-1), hf_ids.argsort(dim=-1)  # transformers leaves the top k unsorted
     assert torch.equal(ids.gather(1, order), hf_ids.gather(1, hf_order))
     torch.testing.assert_close(weights.gather(1, order), hf_weights.gather(1, hf_order), rtol=0, atol=0)
@@ -165,3 +164,5 @@ def test_deepseek_sparse_layers_and_experts_from_config():
         MoeConfig.from_hf({**cfg, "topk_method": "noaux_tc"}, "DeepseekV2ForCausalLM", 5)
     with pytest.raises(ValueError, match="n_group"):
         MoeConfig.from_hf({**cfg, "topk_method": "group_limited_greedy", "n_group": 3}, "DeepseekV2ForCausalLM", 5)
+    with pytest.raises(ValueError, match="scoring"):
+        MoeConfig(8, 2, 16, scoring="sparsemixer")

@@ -78,22 +78,24 @@ def _llama3_scaling(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, blended, scaled)
 
 
-def _yarn_scaling(theta_powers: torch.Tensor, rope: RopeConfig, dims: int) -> torch.Tensor:
-    """YaRN: pairs that turn more than ``beta_fast`` times over the original context keep their
-    frequency, those turning fewer than ``beta_slow`` times are divided by ``factor``, and a linear
-    ramp over the pair index blends the two in between (as transformers computes it)."""
-    def pair_of(rotations: float) -> float:  # the (fractional) pair index that turns ``rotations`` times
-        return dims * math.log(rope.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+def _yarn_scaling(powers: torch.Tensor, rope: RopeConfig, dims: int) -> torch.Tensor:
+    """YaRN: pair i (``powers[i]`` = theta ** (2i / dims), its unscaled frequency's inverse) keeps its
+    frequency if it turns more than ``beta_fast`` times over the original context, is divided by
+    ``factor`` if fewer than ``beta_slow``, and blends linearly in between (by pair index). Its gain
+    on cos/sin is ``rope.attention_factor`` (config.py)."""
+
+    def pair_of(turns: float) -> float:  # the (fractional) pair index that turns ``turns`` times
+        return dims * math.log(rope.original_max_position / (turns * 2 * math.pi)) / (2 * math.log(rope.theta))
 
     low, high = pair_of(rope.beta_fast), pair_of(rope.beta_slow)
     if rope.truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dims - 1)
     if low == high:
-        high += 0.001  # a ramp of zero width
+        high += 0.001  # a step, not a division by zero
     ramp = ((torch.arange(dims // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    kept = 1 - ramp  # the share of the original frequency (rounded as transformers rounds it)
-    return 1.0 / (rope.factor * theta_powers) * (1 - kept) + 1.0 / theta_powers * kept
+    kept = 1 - ramp  # written as transformers computes it, so a float32 model's table matches bit for bit
+    return 1.0 / (rope.factor * powers) * (1 - kept) + 1.0 / powers * kept
 
 
 class RotaryEmbedding(torch.nn.Module):

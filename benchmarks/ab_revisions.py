@@ -1,0 +1,90 @@
+"""W1 and W3 through the offline API, this tree against an older revision, alternating in one script.
+
+Each round starts one fresh process per tree (the bundled model as shipped, unless --engine-args
+says otherwise) that times W1 (32 requests at once, 128 -> 128 tokens) and W3 (one request,
+128 -> 256), greedy with EOS ignored, on the same seeded token-id prompts. The trees alternate, the
+order flipping every round, so both see the same machine; the ratios of the medians are the result.
+
+    .venv/bin/python benchmarks/ab_revisions.py --old 9c2fef9~1 [--rounds 4] [--json OUT]
+
+The old revision is checked out with `git worktree` into a temporary folder and removed after; its
+C++ kernels compile on first use (a few minutes, cached per source).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Run inside each tree's process; prints one JSON line of output tokens/s per workload.
+CHILD = r"""
+import json, random, sys, time
+from kvserve import LLM, SamplingParams
+engine_args = json.loads(sys.argv[1])
+llm = LLM(**engine_args)
+rng = random.Random(0)
+def prompts(n, length):
+    return [[rng.randrange(100, 30000) for _ in range(length)] for _ in range(n)]
+def tok_s(batch, max_tokens):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(batch, params)
+    seconds = time.perf_counter() - start
+    return sum(len(o.token_ids) for o in outs) / seconds
+tok_s(prompts(4, 32), 16)  # warm-up
+w1, w3 = prompts(32, 128), prompts(1, 128)
+print(json.dumps({"W1": tok_s(w1, 128), "W3": tok_s(w3, 256)}))
+"""
+
+
+def measure(tree: Path, engine_args: dict) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(engine_args)], cwd=tree, check=True,
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(tree)})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--old", required=True, help="a git revision to compare this tree with")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--engine-args", default="{}", help='LLM(...) keywords as JSON, e.g. \'{"dtype": "bfloat16"}\'')
+    p.add_argument("--json", default=None, help="write the per-round figures here too")
+    args = p.parse_args()
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be >= 1")
+    engine_args = json.loads(args.engine_args)
+    with tempfile.TemporaryDirectory(prefix="kvserve-ab-") as tmp:
+        old_tree = Path(tmp) / "old"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(old_tree), args.old],
+                       check=True, capture_output=True)
+        try:
+            trees = {"old": old_tree, "new": REPO}
+            rounds: dict[str, list[dict]] = {"old": [], "new": []}
+            for r in range(args.rounds):
+                for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
+                    rounds[name].append(measure(trees[name], engine_args))
+                    print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in rounds[name][-1].items()),
+                          file=sys.stderr)
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(old_tree)], check=False)
+    summary = {}
+    for workload in ("W1", "W3"):
+        old = statistics.median(x[workload] for x in rounds["old"])
+        new = statistics.median(x[workload] for x in rounds["new"])
+        summary[workload] = {"old_tok_s": old, "new_tok_s": new, "new_over_old": new / old}
+        print(f"{workload}: old {old:.1f} tok/s, new {new:.1f} tok/s, new/old {new / old:.3f} (medians of {args.rounds})")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"old": args.old, "engine_args": engine_args, "rounds": rounds,
+                                               "summary": summary}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
