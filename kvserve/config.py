@@ -445,7 +445,8 @@ class CacheConfig:
     """Paged KV cache: block size and how many blocks (or how many bytes) to preallocate."""
 
     block_size: int = option(16, "tokens per KV-cache block")
-    num_kv_blocks: int | None = option(None, "KV blocks to preallocate (default: as many as the KV-cache budget holds)")
+    num_kv_blocks: int | None = option(None, "KV blocks to preallocate (default: as many as the KV-cache budget holds); "
+                                      "a hybrid model's block holds one KV group's layers")
     kv_cache_memory_bytes: int = option(1024**3, "KV-cache budget in GiB (default 1)", flag="--kv-cache-memory",
                                         parse=_gib)
     enable_prefix_caching: bool = option(True, "reuse the KV of full blocks shared with earlier requests",

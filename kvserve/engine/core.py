@@ -14,8 +14,10 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.stats import EngineSnapshot
+from kvserve.kv_cache.groups import KVLayout, kv_layout
+from kvserve.kv_cache.hybrid import make_kv_cache
 from kvserve.kv_cache.manager import KVCacheManager
-from kvserve.kv_cache.sizing import KVCacheInfo, max_window_blocks, size_kv_cache
+from kvserve.kv_cache.sizing import KVCacheInfo, max_sequence_blocks, max_window_blocks, size_kv_cache
 from kvserve.model.attention.backend import get_backend
 from kvserve.model.loader import auto_dtype, load_model, resolve_model_path
 from kvserve.model.quant.registry import describe_quantization, weight_bytes
@@ -73,9 +75,8 @@ class MemoryReport:
 
     @staticmethod
     def of(model: torch.nn.Module, kv: KVCacheInfo, config: EngineConfig) -> MemoryReport:
-        return MemoryReport(weight_bytes(model), kv.bytes_per_token, kv.capacity_tokens,
-                            kv.capacity_tokens * kv.bytes_per_token, describe_quantization(model),
-                            config.cache.kv_cache_dtype)
+        return MemoryReport(weight_bytes(model), kv.bytes_per_token, kv.capacity_tokens, kv.pool_bytes,
+                            describe_quantization(model), config.cache.kv_cache_dtype)
 
     def summary(self) -> str:
         return (f"weights {self.weight_bytes / 2**20:.1f} MiB ({self.quantization}); KV cache "
@@ -98,7 +99,8 @@ class EngineCore:
                                               config.quant.quantization, config.quant.group_size,
                                               config.scheduler.max_model_len,
                                               shard=TensorShard(0, tp) if tp > 1 else None)
-        self.kv_info = size_kv_cache(config, self.model_config)
+        self.kv_layout = self._kv_layout(model, config)
+        self.kv_info = size_kv_cache(config, self.model_config, self.kv_layout)
         self.memory = MemoryReport.of(model, self.kv_info, config)
         log.info("memory: %s", self.memory.summary())
         if device.type == "cpu":  # its pages are committed as they are written: refuse now, not under load
@@ -106,15 +108,16 @@ class EngineCore:
                        "lower --kv-cache-memory (kv_cache_memory_bytes) or --num-kv-blocks")
         backend = get_backend(device, config.cache.kv_cache_dtype, config.attention_backend)
         self.sinks = config.cache.attention_sinks
-        window = self.model_config.all_layers_windowed
         if self.sinks:
             window = self._use_attention_sinks(model, backend, config)
             self.max_model_len = min(self.model_config.max_position, config.scheduler.max_model_len or 1 << 62)
+            self.kv_cache = KVCacheManager(self.kv_info.num_blocks, self.kv_info.block_size,
+                                           config.cache.enable_prefix_caching, window=window, sinks=self.sinks)
         else:
             self.max_model_len = min(self.model_config.max_position, config.scheduler.max_model_len or 1 << 62,
                                      self._kv_length_limit(config))
-        self.kv_cache = KVCacheManager(self.kv_info.num_blocks, self.kv_info.block_size,
-                                       config.cache.enable_prefix_caching, window=window, sinks=self.sinks)
+            self.kv_cache = make_kv_cache(self.kv_info.num_blocks, self.kv_info.block_size, self.kv_layout,
+                                          config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         graphs = None if config.enforce_eager else (config.scheduler.max_num_seqs, self.max_model_len)
         if tp > 1:  # rank 0 of tp: the other ranks are started here with the same KV block layout
@@ -123,7 +126,7 @@ class EngineCore:
         else:
             self.runner = ModelRunner(model, self.model_config, backend, self.kv_info.num_blocks,
                                       self.kv_info.block_size, config.torch_dtype, device, config.seed,
-                                      cuda_graphs=graphs)
+                                      cuda_graphs=graphs, kv_layout=self.kv_layout)
         self.num_steps = 0
         self.num_batched_tokens = 0  # tokens computed over all steps (prompt chunks, decodes, proposals)
         self.failed: list[RequestFailedError] = []  # requests a step took out; the caller drains it
@@ -137,15 +140,23 @@ class EngineCore:
         which only the text layer loads."""
         self.grammars = GrammarCompiler(tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
 
+    def _kv_layout(self, model: torch.nn.Module, config: EngineConfig) -> KVLayout:
+        """The KV groups: a hybrid model's local layers keep their own, windowed block tables where the
+        runner can read them (one process, a model that reads per-group tables), else one group."""
+        hybrid = config.tensor_parallel_size == 1 and hasattr(model, "use_kv_groups")
+        return kv_layout(self.model_config.layer_windows, self.model_config.num_layers, hybrid)
+
     def _kv_length_limit(self, config: EngineConfig) -> int:
-        """The longest sequence the KV pool holds: all of it, unless every layer slides over a window
-        and a step's blocks (the window plus a full token budget, max_window_blocks) fit the pool; then
-        the blocks behind the window are released as the sequence grows and length is no limit."""
-        window, info = self.model_config.all_layers_windowed, self.kv_info
+        """The longest sequence the KV pool holds: the full groups' share of it once the window groups
+        hold their most (max_window_blocks: the window plus a full token budget); no limit when every
+        layer slides and that fits (sizing.max_sequence_blocks)."""
+        info, groups = self.kv_info, self.kv_layout.groups
         step_tokens = config.scheduler.max_num_batched_tokens  # proposals to verify are cut to the budget too
-        if window is not None and max_window_blocks(window, info.block_size, step_tokens) <= info.num_blocks:
-            return 1 << 62
-        return info.capacity_tokens
+        windows = {g.window for g in groups if g.window is not None}
+        window_blocks = max((max_window_blocks(w, info.block_size, step_tokens) for w in windows), default=0)
+        num_full = sum(1 for g in groups if g.window is None)
+        blocks = max_sequence_blocks(info.num_blocks, num_full, len(groups) - num_full, window_blocks)
+        return 1 << 62 if blocks is None else blocks * info.block_size
 
     def _use_attention_sinks(self, model: torch.nn.Module, backend, config: EngineConfig) -> int:
         """Turn on attention sinks (``attention_sinks`` N): the model attends to the first N positions
@@ -235,7 +246,8 @@ class EngineCore:
         return EngineSnapshot(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=kv.usage, num_preemptions=self.scheduler.num_preemptions,
-            kv_cache_tokens=self.kv_info.capacity_tokens, weight_bytes=self.memory.weight_bytes,
+            kv_cache_tokens=self.kv_info.capacity_tokens, kv_cache_blocks=kv.num_blocks,
+            kv_blocks_in_use=kv.held_blocks_by_kind(), weight_bytes=self.memory.weight_bytes,
             kv_bytes_per_token=self.memory.kv_bytes_per_token,
             prefix_cache_queries=kv.prefix_stats.queries, prefix_cache_hits=kv.prefix_stats.hits,
             prefix_cache_evictions=kv.pool.stats.evictions,

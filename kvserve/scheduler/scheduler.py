@@ -210,11 +210,13 @@ class Scheduler:
     def _scheduled(self, request: Request, num_new: int, spec: list[int] | None = None) -> ScheduledRequest:
         start = request.num_computed_tokens
         tokens = request.token_slice(start, start + num_new) + (spec or [])
+        tables = self.kv_cache.block_tables(request.request_id)  # the live lists: read them this step only
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=tokens,
             start_pos=start,
-            block_table=self.kv_cache.block_table(request.request_id),  # the live list: read it this step only
+            block_table=tables[0],
+            group_block_tables=tuple(tables[1:]),
             sample=start + num_new == request.num_tokens,
             sampling_params=request.sampling_params,
             num_generated=len(request.output_token_ids),

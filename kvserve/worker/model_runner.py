@@ -5,12 +5,15 @@ Owns the device state: the model, the KV-cache tensors, the attention backend an
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.kv_cache.groups import KVLayout, single_layout
 from kvserve.model.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.model.attention.mla import allocate_latent_cache
 from kvserve.model.models.llama_decode import build_fused_decoder
@@ -21,6 +24,8 @@ from kvserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from kvserve.types import TokenLogprob
 from kvserve.worker.block_tables import BlockTableRows
 from kvserve.worker.cuda_graphs import capture_decode_graphs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,24 +41,36 @@ class RunnerOutput:
 
 
 def allocate_kv_caches(backend: AttentionBackend, config: ModelConfig, num_blocks: int, block_size: int,
-                       dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """One paged cache per layer: the backend's K/V layout, or for latent attention (MLA) one latent
-    row per token (attention/mla.py), the layout ``sizing.mla_kv_bytes_per_token`` counts."""
+                       dtype: torch.dtype, device: torch.device, count: int | None = None) -> list[torch.Tensor]:
+    """``count`` paged caches (default: one per layer): the backend's K/V layout, or for latent
+    attention (MLA) one latent row per token (attention/mla.py), the layout
+    ``sizing.mla_kv_bytes_per_token`` counts."""
+    count = config.num_layers if count is None else count
     if config.mla is not None:
         return [allocate_latent_cache(num_blocks, block_size, config.mla.latent_width, dtype, device)
-                for _ in range(config.num_layers)]
+                for _ in range(count)]
     return [backend.allocate_kv_cache(num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype, device)
-            for _ in range(config.num_layers)]
+            for _ in range(count)]
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, backend: AttentionBackend, num_blocks: int,
                  block_size: int, kv_dtype: torch.dtype, device: torch.device, seed: int = 0,
-                 cuda_graphs: tuple[int, int] | None = None) -> None:
-        """``cuda_graphs`` = (max batch, max model length): capture decode steps on CUDA for up to that."""
+                 cuda_graphs: tuple[int, int] | None = None, kv_layout: KVLayout | None = None) -> None:
+        """``cuda_graphs`` = (max batch, max model length): capture decode steps on CUDA for up to that.
+        ``kv_layout``: the KV groups (kv_cache/groups.py); by default one group of every layer."""
         self.model, self.config, self.backend = model, config, backend
         self.block_size, self.device = block_size, device
-        self.kv_caches = allocate_kv_caches(backend, config, num_blocks, block_size, kv_dtype, device)
+        self.kv_layout = kv_layout or single_layout(config.num_layers)
+        # one tensor per slot of a block; a hybrid model's groups share them, each using its own blocks
+        self.kv_tensors = allocate_kv_caches(backend, config, num_blocks, block_size, kv_dtype, device,
+                                             self.kv_layout.layers_per_block)
+        self.kv_caches = [self.kv_tensors[slot] for slot in self.kv_layout.slot_of_layer()]  # by layer
+        self.group_table_rows = [BlockTableRows() for _ in self.kv_layout.groups[1:]]
+        if self.kv_layout.is_hybrid:
+            if not hasattr(model, "use_kv_groups"):
+                raise ValueError(f"{config.architecture} cannot read per-group KV block tables (hybrid KV cache)")
+            model.use_kv_groups(self.kv_layout.group_of_layer())
         self.sampler = Sampler(seed)
         self.mask_filler: MaskFiller | None = None  # structured outputs: started with the first constrained request
         self.block_table_rows = BlockTableRows()
@@ -61,7 +78,9 @@ class ModelRunner:
         self.fused_decoder = self._build_fused_decoder()
         self.decode_graphs = None
         # (soft-capped attention and MLA's take paths with host values: nothing to capture)
-        if (cuda_graphs is not None and device.type == "cuda" and backend.supports_cuda_graphs
+        if cuda_graphs is not None and self.kv_layout.is_hybrid:
+            log.info("hybrid KV groups: decode steps run eagerly (the graphs hold one block table per step)")
+        elif (cuda_graphs is not None and device.type == "cuda" and backend.supports_cuda_graphs
                 and config.attn_logit_softcap is None and config.mla is None):
             self.decode_graphs = capture_decode_graphs(self._eager_forward, *cuda_graphs, block_size, device)
 
@@ -181,7 +200,7 @@ class ModelRunner:
         """Copy-on-write for forks: duplicate a partly filled block before the child writes to it."""
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        for cache in self.kv_caches:
+        for cache in self.kv_tensors:
             cache[:, dst] = cache[:, src]
 
     def _prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -200,7 +219,7 @@ class ModelRunner:
         seq_of_token = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(lens))
         starts = torch.tensor([s.start_pos for s in batch], dtype=torch.long)
         offsets = torch.arange(query_start[-1]) - torch.tensor(query_start[:-1])[seq_of_token]
-        positions = starts[seq_of_token] + offsets
+        positions = positions_host = starts[seq_of_token] + offsets
         block_tables = self._block_tables(batch)
         slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
         decode_seqs = [i for i, n in enumerate(lens) if n == 1]
@@ -225,6 +244,8 @@ class ModelRunner:
             decode_seq_lens=decode_seq_lens,
             block_size=bs,
         )
+        if self.group_table_rows:
+            meta.group_metas = self._group_metas(meta, batch, seq_of_token, positions_host, decode_seqs, decode_width)
         return input_ids, positions, meta
 
     def _prepare_decode(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -245,6 +266,9 @@ class ModelRunner:
                                  block_tables=block_tables, seq_lens_t=seq_lens_t, decode_seqs=list(range(n)),
                                  prefill_seqs=[], decode_token_index=token_index, decode_block_tables=decode_tables,
                                  decode_seq_lens=seq_lens_t, block_size=bs)
+        if self.group_table_rows:
+            meta.group_metas = self._group_metas(meta, batch, torch.arange(n), torch.tensor(positions, dtype=torch.long),
+                                                 list(range(n)), decode_width)
         return input_ids, positions_t, meta
 
     def _block_tables(self, batch: list[ScheduledRequest]) -> torch.Tensor:
@@ -252,6 +276,21 @@ class ModelRunner:
         width = max(len(s.block_table) for s in batch)
         return torch.from_numpy(self.block_table_rows.gather([s.request_id for s in batch],
                                                              [s.block_table for s in batch], width))
+
+
+    def _group_metas(self, meta: AttentionMetadata, batch: list[ScheduledRequest], seq_of_token: torch.Tensor,
+                     positions: torch.Tensor, decode_seqs: list[int], decode_width: int) -> tuple[AttentionMetadata, ...]:
+        """``meta`` for each KV group after the first: the same batch through that group's tables
+        (host ``seq_of_token`` and ``positions``, one per token)."""
+        bs, ids, host = self.block_size, [s.request_id for s in batch], []
+        for j, rows in enumerate(self.group_table_rows):
+            tables = [s.group_block_tables[j] for s in batch]
+            block_tables = torch.from_numpy(rows.gather(ids, tables, max(len(t) for t in tables)))
+            slots = block_tables[seq_of_token, positions // bs] * bs + positions % bs
+            host += [slots, block_tables, block_tables[decode_seqs, :decode_width]]
+        parts = _to_device(host, self.device)  # one copy for every group
+        return tuple(dataclasses.replace(meta, slot_mapping=slots, block_tables=tables, decode_block_tables=decode)
+                     for slots, tables, decode in zip(parts[0::3], parts[1::3], parts[2::3]))
 
 
 def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

@@ -37,6 +37,12 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor  # [len(decode_seqs)] int64
     block_size: int
     query_start_t: torch.Tensor | None = None  # [num_seqs + 1] int64 on device; built on first use if None
+    # A hybrid model's KV groups 1..: the same batch with those groups' slots and block tables
+    group_metas: tuple[AttentionMetadata, ...] = ()
+
+    def of_group(self, group: int) -> AttentionMetadata:
+        """The metadata a layer of KV group ``group`` reads (group 0: this one)."""
+        return self.group_metas[group - 1] if group else self
 
     @property
     def max_query_len(self) -> int:

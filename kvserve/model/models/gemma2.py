@@ -103,6 +103,12 @@ class Gemma2ForCausalLM(torch.nn.Module):
     def rotary_of(self, layer: int) -> RotaryEmbedding:
         return self.rotary
 
+    def use_kv_groups(self, group_of_layer: list[int]) -> None:
+        """Read each layer's KV through its group's block tables (a hybrid KV cache: the runner's
+        kv_cache/groups.py layout keeps the local layers' KV to their window)."""
+        for layer, group in zip(self.model.layers, group_of_layer, strict=True):
+            layer.self_attn.kv_group = group
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         x, residual = self.model.embed_tokens(input_ids) * self.embed_scale, None
