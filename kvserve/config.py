@@ -592,6 +592,10 @@ class EngineConfig:
                                     "reference path; triton: the Triton kernels (on the CPU under TRITON_INTERPRET=1)",
                                     choices=ATTENTION_BACKENDS)
     enforce_eager: bool = option(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+    async_scheduling: bool | None = option(None, "schedule and prepare step N+1 while the device runs step N, "
+                                           "reading sampled tokens one step late (engine/core.py); default: on "
+                                           "for CUDA, off on the CPU, where the forward pass is synchronous and "
+                                           "it measured no faster (benchmarks/async_scheduling.py)")
     num_threads: int | None = option(None, "torch threads for this process (default: $KVSERVE_NUM_THREADS, else "
                                      "every available core; runtime/threads.py)")
     tensor_parallel_size: int = option(1, "processes that split the model's heads and MLP between them "
@@ -609,6 +613,16 @@ class EngineConfig:
             raise ValueError(f"num_threads={self.num_threads} must be >= 1")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling does not combine with tensor_parallel_size > 1 yet")
+
+    @property
+    def overlap_steps(self) -> bool:
+        """Whether the engine schedules a step while the previous one runs (``async_scheduling``
+        resolved: unset means on for CUDA, off on the CPU)."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.device.startswith("cuda") and self.tensor_parallel_size == 1
 
     @property
     def torch_dtype(self) -> torch.dtype:

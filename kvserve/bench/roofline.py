@@ -24,6 +24,7 @@ dequantized) over seeded token-id prompts, greedy, EOS ignored:
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -244,7 +245,7 @@ def run(args) -> int:
     cache = {"kv_cache_memory_bytes": int(args.kv_cache_memory * 1024**3)} if args.kv_cache_memory else {
         "num_kv_blocks": kv_blocks_for(max(batch_sizes), args.prompt_len + max(args.output_len, args.single_output_len))}
     llm = LLM(model=args.model, dtype=args.dtype, device=device, enforce_eager=args.enforce_eager,
-              max_num_seqs=max(batch_sizes), quantization="none", enable_prefix_caching=False,
+              async_scheduling=args.async_scheduling, max_num_seqs=max(batch_sizes), quantization="none", enable_prefix_caching=False,
               block_size=_BLOCK_SIZE, kv_cache_dtype=args.kv_cache_dtype, **cache)
     setup = model_setup(llm.engine.core.model_path, hardware, args.dtype, llm.engine.core.kv_info.block_size,
                         args.kv_cache_dtype)
@@ -391,6 +392,8 @@ def add_parser(bench_sub) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="cpu, cuda[:N], or auto (cuda when torch sees a GPU)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule a step while the previous one runs (default: the engine's, on for CUDA)")
     p.add_argument("--num-threads", type=int, default=None, help="engine threads (default: kvserve's choice)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--single-output-len", type=int, default=256, help="output tokens of the single stream")

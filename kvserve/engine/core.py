@@ -25,6 +25,7 @@ from kvserve.model.sharding import TensorShard
 from kvserve.request import Request, RequestStatus
 from kvserve.runtime.allocator import keep_freed_memory
 from kvserve.runtime.host_memory import check_fits
+from kvserve.sample.device_tokens import SampledTokens
 from kvserve.sample.grammar import GrammarCompiler
 from kvserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from kvserve.scheduler.scheduler import Scheduler
@@ -60,6 +61,19 @@ class StepUpdate:
     request: Request
     new_token_ids: list[int]
     finished: bool
+
+
+@dataclass
+class InFlightStep:
+    """A launched step not read yet (async scheduling): its requests as they were when it was
+    scheduled (a request id can come back as another request), and what the runner returned."""
+
+    requests: dict[str, Request]
+    result: RunnerOutput
+
+    def sampled_ids(self):
+        result = self.result
+        return result.pending.request_ids if result.pending is not None else result.token_ids.keys()
 
 
 @dataclass(frozen=True)
@@ -133,6 +147,9 @@ class EngineCore:
         self._failed_steps = 0  # consecutive steps in which every request failed
         self.num_prefill_tokens = self.num_decode_tokens = self.num_spec_tokens = 0  # the same, split
         self.spec = self._make_speculation(config)
+        self.overlaps = config.overlap_steps  # async scheduling: see step()
+        self._in_flight: InFlightStep | None = None
+        self._sync_requests: set[str] = set()  # requests whose every step must be read before the next
         self.grammars: GrammarCompiler | None = None  # structured outputs: set by use_tokenizer()
 
     def use_tokenizer(self, tokenizer) -> None:
@@ -210,6 +227,8 @@ class EngineCore:
         if params.structured_outputs is not None:
             request.grammar = self.grammars.matcher(params.structured_outputs)
         self.scheduler.add_request(request)
+        if request.grammar is not None or params.needs_penalties:
+            self._sync_requests.add(request_id)
         return request
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -258,7 +277,7 @@ class EngineCore:
             num_spec_tokens=self.num_spec_tokens, block_map=kv.block_map() if with_block_map else None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ---- the loop -----------------------------------------------------------------------------
     def warm_up(self, num_tokens: int = 64, first_tokens: int = 8) -> float:
@@ -291,18 +310,25 @@ class EngineCore:
         return n / elapsed
 
     def step(self) -> list[StepUpdate]:
+        """One step. With async scheduling (``overlaps``) the step launched here is read by the next
+        call, and this one returns the previous step's tokens; while a request needs each token
+        before the next is scheduled, steps are synchronous (``_needs_sync_steps``)."""
+        if self.overlaps and not self._needs_sync_steps():
+            return self._step_overlapped()
+        updates = self._drain()
+        return updates + self._step_sync()
+
+    def _needs_sync_steps(self) -> bool:
+        """Speculation proposes from, and grammars and penalties sample by, the tokens so far: the
+        step that produced the last one must have been read."""
+        return self.spec is not None or bool(self._sync_requests)
+
+    def _step_sync(self) -> list[StepUpdate]:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        now = time.perf_counter()
-        for s in out.scheduled:
-            req = self.scheduler.requests[s.request_id]
-            if req.metrics.first_scheduled is None:
-                req.metrics.first_scheduled = now
-            self._count_kind(s)
+        self._start_step(out)
         sampled = self._execute(out)
-        self.num_steps += 1
-        self.num_batched_tokens += out.num_batched_tokens
         self._record_prompt_logprobs(sampled)
         now, requests, logprobs = time.perf_counter(), self.scheduler.requests, sampled.logprobs
         updates = [self._append_tokens(requests[rid], [tok], now, logprobs.get(rid))
@@ -316,26 +342,94 @@ class EngineCore:
             self.spec.propose(self.scheduler.running)
         return updates
 
-    def _execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """Run the step. If it raises, run each request alone: those that fail again are finished
-        and listed in ``failed``, the rest keep their results (re-running a chunk rewrites the same
-        KV). EngineFatalError once every request of MAX_FAILED_STEPS steps in a row has failed."""
+    def _start_step(self, out: SchedulerOutput) -> None:
+        now = time.perf_counter()
+        for s in out.scheduled:
+            req = self.scheduler.requests[s.request_id]
+            if req.metrics.first_scheduled is None:
+                req.metrics.first_scheduled = now
+            self._count_kind(s)
+        self.num_steps += 1
+        self.num_batched_tokens += out.num_batched_tokens
+
+    # ---- async scheduling: schedule and launch step N+1, then read step N ---------------------
+    def _step_overlapped(self) -> list[StepUpdate]:
+        """Schedule this step from what the host knows: each request the step in flight samples for
+        has one more token, pending (``Request.num_pending``), whose id the runner gathers on the
+        device. Launch it, then read the step in flight, apply its tokens and stop conditions: a
+        request that ended there has computed one token past its end in this step, dropped when this
+        step is read (``_read``); its KV was freed when it ended (the device runs steps in order)."""
+        previous, self._in_flight = self._in_flight, None
+        out = self.scheduler.schedule()
+        current = None
+        if not out.is_empty:
+            self._start_step(out)
+            requests = self.scheduler.requests
+            current = InFlightStep({s.request_id: requests[s.request_id] for s in out.scheduled},
+                                   self._execute(out, previous.result.pending if previous else None, defer=True))
+            self.scheduler.advance(out)
+            for rid in current.sampled_ids():
+                if rid in requests:  # (a request that failed alone was taken out)
+                    requests[rid].num_pending += 1
+        updates = self._read(previous) if previous is not None else []
+        if current is not None:
+            self.scheduler.commit(out)  # the tokens its full blocks hold are all known now
+            if current.result.pending is None:  # nothing sampled, or run request by request after an error
+                updates += self._read(current)
+            else:
+                self._in_flight = current
+        if self._in_flight is not None and not self.scheduler.has_unfinished():
+            self._drain()  # every request it computed for has ended: nothing to wait for later
+        return updates
+
+    def _read(self, step: InFlightStep) -> list[StepUpdate]:
+        """Append a launched step's sampled tokens to the requests that are still there."""
+        result = step.result
+        if result.pending is not None:
+            result.token_ids, result.pending = result.pending.read(), None
+        requests, now = self.scheduler.requests, time.perf_counter()
+        self._record_prompt_logprobs(result)
+        updates = []
+        for rid, token in result.token_ids.items():
+            request = step.requests[rid]
+            request.num_pending -= 1
+            if requests.get(rid) is request:  # else it ended (stopped, aborted) before this token
+                updates.append(self._append_tokens(request, [token], now, result.logprobs.get(rid)))
+        return updates
+
+    def _drain(self) -> list[StepUpdate]:
+        """Read the step in flight, if any (before a synchronous step, or when nothing is left)."""
+        step, self._in_flight = self._in_flight, None
+        return self._read(step) if step is not None else []
+
+    def _execute(self, out: SchedulerOutput, previous: SampledTokens | None = None,
+                 defer: bool = False) -> RunnerOutput:
+        """Run the step (placeholders from ``previous``; ``defer``: its sampled ids left on the device).
+        If it raises, run each request alone: those that fail again are finished and listed in
+        ``failed``, the rest keep their results (re-running a chunk rewrites the same KV), read at
+        once. EngineFatalError once every request of MAX_FAILED_STEPS steps in a row has failed."""
         try:
-            sampled = self.runner.execute(out)
+            sampled = self._run(out, previous, defer)
         except RankFailedError as error:  # no request's fault: the model is gone
             raise EngineFatalError(str(error)) from error
         except Exception as error:  # noqa: BLE001 - sorted out below: one request's fault, or the engine's
-            sampled = self._execute_each(out, error)
+            sampled = self._execute_each(out, error, previous)
         else:
             self._failed_steps = 0
         return sampled
 
-    def _execute_each(self, out: SchedulerOutput, error: Exception) -> RunnerOutput:
+    def _run(self, out: SchedulerOutput, previous: SampledTokens | None, defer: bool) -> RunnerOutput:
+        """A synchronous step calls the runner as it always has: ``execute(out)``."""
+        if previous is None and not defer:
+            return self.runner.execute(out)
+        return self.runner.execute(out, previous, defer)
+
+    def _execute_each(self, out: SchedulerOutput, error: Exception, previous: SampledTokens | None) -> RunnerOutput:
         log.warning("a step of %d requests raised %r; running each alone", len(out.scheduled), error)
         merged, failed = RunnerOutput(), []
         for s in out.scheduled:
             try:
-                part = self.runner.execute(SchedulerOutput([s], block_copies=out.block_copies))
+                part = self._run(SchedulerOutput([s], block_copies=out.block_copies), previous, False)
             except RankFailedError as e:
                 raise EngineFatalError(str(e)) from e
             except Exception as e:  # noqa: BLE001 - this request is the one at fault
@@ -381,7 +475,9 @@ class EngineCore:
     def _record_prompt_logprobs(self, sampled: RunnerOutput) -> None:
         # Slice assignment: a chunk recomputed after preemption overwrites its own positions.
         for rid, (first, scored) in sampled.prompt_logprobs.items():
-            self.scheduler.requests[rid].prompt_logprobs[first - 1:first - 1 + len(scored)] = scored
+            request = self.scheduler.requests.get(rid)  # (async scheduling: it may have ended since)
+            if request is not None:
+                request.prompt_logprobs[first - 1:first - 1 + len(scored)] = scored
 
     def _append_tokens(self, request: Request, tokens: list[int], now: float,
                        logprob: TokenLogprob | None = None) -> StepUpdate:
@@ -409,7 +505,7 @@ class EngineCore:
             return FinishReason.STOP
         if len(request.output_token_ids) >= params.max_tokens:
             return FinishReason.LENGTH
-        if request.num_tokens >= self.max_model_len and not self.sinks:  # sinks: KV stays bounded past it
+        if request.num_tokens - request.num_pending >= self.max_model_len and not self.sinks:  # sinks: KV stays bounded
             return FinishReason.LENGTH
         return None
 
@@ -426,6 +522,7 @@ class EngineCore:
     def finish(self, request_id: str, reason: FinishReason) -> None:
         if self.spec is not None:
             self.spec.forget(request_id)
+        self._sync_requests.discard(request_id)
         request = self.scheduler.finish_request(request_id, reason)
         if request is not None:
             request.metrics.finished = time.perf_counter()

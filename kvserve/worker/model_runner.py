@@ -17,6 +17,8 @@ from kvserve.kv_cache.groups import KVLayout, single_layout
 from kvserve.model.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.model.attention.mla import allocate_latent_cache
 from kvserve.model.models.llama_decode import build_fused_decoder
+from kvserve.request import PLACEHOLDER
+from kvserve.sample.device_tokens import SampledTokens, fill_placeholders
 from kvserve.sample.grammar import MaskFiller, MaskRequest, apply_bitmask
 from kvserve.sample.rejection import accept_proposals
 from kvserve.sample.sampler import Sampler, SamplingBatch, scored_logprobs
@@ -38,6 +40,8 @@ class RunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
     # Speculative requests: the tokens verification emitted (accepted proposals + one from the target).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # execute(defer=True): the sampled ids, still on the device; token_ids stays empty until read.
+    pending: SampledTokens | None = None
 
 
 def allocate_kv_caches(backend: AttentionBackend, config: ModelConfig, num_blocks: int, block_size: int,
@@ -88,13 +92,19 @@ class ModelRunner:
         return build_fused_decoder(self.model, self.kv_caches, self.backend.fused_cache_kind(self.device))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """Run the step; sample the next token of every request whose chunk ends its known tokens."""
+    def execute(self, out: SchedulerOutput, previous: SampledTokens | None = None, defer: bool = False) -> RunnerOutput:
+        """Run the step; sample the next token of every request whose chunk ends its known tokens.
+
+        Async scheduling: a PLACEHOLDER input id is the token ``previous`` sampled for that request,
+        taken from the device; ``defer`` leaves this step's sampled ids there too (``pending``)."""
         batch = out.scheduled
         if out.block_copies:
             self._copy_blocks(out.block_copies)
         mask_rows, masks = self._start_masks(batch)  # filled on a worker thread during the forward pass
+        placeholders = previous is not None and _point_placeholders(batch, previous.rows)
         input_ids, positions, meta = self._prepare(batch)
+        if placeholders:
+            input_ids = fill_placeholders(input_ids, previous.token_ids)
         hidden = self._forward(input_ids, positions, meta)
         bitmask = masks.result() if masks is not None else None
         result = RunnerOutput(prompt_logprobs=self._prompt_logprobs(batch, hidden, meta))
@@ -112,10 +122,13 @@ class ModelRunner:
             sampling.masked_rows = [j for j, i in enumerate(rows) if i in mask_rows]
             if sampling.masked_rows:
                 sampling.bitmask = bitmask[[mask_rows[rows[j]] for j in sampling.masked_rows]]
-        sampled = self.sampler(logits, sampling)
-        result.token_ids = {s.request_id: tok for s, tok in zip(chosen, sampled.token_ids)}
-        if sampled.logprobs is not None:
-            result.logprobs = {s.request_id: lp for s, lp in zip(chosen, sampled.logprobs) if lp is not None}
+        tokens, logprobs = self.sampler.sample_on_device(logits, sampling)
+        if defer:
+            result.pending = SampledTokens(tokens, [s.request_id for s in chosen])
+        else:
+            result.token_ids = dict(zip([s.request_id for s in chosen], tokens.tolist()))
+        if logprobs is not None:
+            result.logprobs = {s.request_id: lp for s, lp in zip(chosen, logprobs) if lp is not None}
         return result
 
     @torch.inference_mode()
@@ -277,7 +290,6 @@ class ModelRunner:
         return torch.from_numpy(self.block_table_rows.gather([s.request_id for s in batch],
                                                              [s.block_table for s in batch], width))
 
-
     def _group_metas(self, meta: AttentionMetadata, batch: list[ScheduledRequest], seq_of_token: torch.Tensor,
                      positions: torch.Tensor, decode_seqs: list[int], decode_width: int) -> tuple[AttentionMetadata, ...]:
         """``meta`` for each KV group after the first: the same batch through that group's tables
@@ -291,6 +303,17 @@ class ModelRunner:
         parts = _to_device(host, self.device)  # one copy for every group
         return tuple(dataclasses.replace(meta, slot_mapping=slots, block_tables=tables, decode_block_tables=decode)
                      for slots, tables, decode in zip(parts[0::3], parts[1::3], parts[2::3]))
+
+
+def _point_placeholders(batch: list[ScheduledRequest], rows: dict[str, int]) -> bool:
+    """Point each PLACEHOLDER input id at its row of the previous step's sampled ids (as -1 - row, for
+    ``fill_placeholders``); whether there was any. Only a decode's one input can be pending."""
+    found = False
+    for s in batch:
+        if s.token_ids[-1] <= PLACEHOLDER:  # (already pointed when a failed step is rerun request by request)
+            s.token_ids[-1] = -1 - rows[s.request_id]
+            found = True
+    return found
 
 
 def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
