@@ -61,12 +61,21 @@ class RopeConfig:
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
     rotary_fraction: float = 1.0  # partial_rotary_factor: the share of each head's dims that rotate
-    # YaRN (gpt-oss): pairs turning fewer than beta_slow times over the original context are
+    # YaRN (gpt-oss, DeepSeek): pairs turning fewer than beta_slow times over the original context are
     # interpolated (divided by factor), more than beta_fast kept, a linear ramp between; ``truncate``
-    # rounds the ramp's ends outwards to whole dims.
+    # rounds the ramp's ends outwards to whole dims. The gain on cos/sin is ``attention_factor``;
+    # DeepSeek's MLA also scales its softmax by mscale(factor, mscale_all_dim) squared (``softmax_mscale``).
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     truncate: bool = True
+    mscale_all_dim: float = 0.0
+
+    @property
+    def softmax_mscale(self) -> float:
+        """The factor DeepSeek's attention multiplies its softmax scale by (transformers' yarn_apply_mscale)."""
+        if self.rope_type == "default" or not self.mscale_all_dim:
+            return 1.0
+        return _yarn_mscale(self.factor, self.mscale_all_dim) ** 2
 
     @staticmethod
     def from_hf(cfg: dict[str, Any], layer_type: str = "full_attention") -> RopeConfig:
@@ -104,7 +113,24 @@ class RopeConfig:
             beta_fast=float(params.get("beta_fast") or 32.0),
             beta_slow=float(params.get("beta_slow") or 1.0),
             truncate=bool(params.get("truncate", True)),
+            mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
         )
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature: 0.1 * mscale * ln(factor) + 1, and 1 for no stretch."""
+    return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_attention_factor(params: dict[str, Any], factor: float) -> float:
+    """transformers' rule: the configured ``attention_factor``, else mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim) when both are given (DeepSeek), else mscale(factor)."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
+    return _yarn_mscale(factor)
 
 
 def _longrope_attention_factor(params: dict[str, Any], cfg: dict[str, Any], original: int) -> float:
@@ -118,26 +144,20 @@ def _longrope_attention_factor(params: dict[str, Any], cfg: dict[str, Any], orig
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
-def _yarn_attention_factor(params: dict[str, Any], factor: float) -> float:
-    """YaRN's gain on cos/sin: the configured ``attention_factor``, else 0.1 ln(factor) + 1, or the
-    ratio of that with ``mscale`` over that with ``mscale_all_dim`` when both are given."""
-    if params.get("attention_factor") is not None:
-        return float(params["attention_factor"])
-
-    def mscale(scale: float) -> float:
-        return 1.0 if factor <= 1.0 else 0.1 * scale * math.log(factor) + 1.0
-
-    if params.get("mscale") and params.get("mscale_all_dim"):
-        return mscale(float(params["mscale"])) / mscale(float(params["mscale_all_dim"]))
-    return mscale(1.0)
-
-
 @dataclass(frozen=True)
 class MoeConfig:
-    """Mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE, OLMoE, gpt-oss), as transformers routes them:
-    softmax over the router's logits in float32, the top ``experts_per_token``, renormalised to sum to
-    1 if ``renormalize`` (Mixtral always; the others by ``norm_topk_prob``); or, with
-    ``softmax_after_topk`` (gpt-oss), the top logits first and a softmax over those alone."""
+    """Mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, gpt-oss), as transformers
+    routes them (layers/moe.py ``route``). By ``scoring``:
+
+    - "softmax": softmax over the router's logits in float32, the top ``experts_per_token`` (with
+      ``num_groups`` > 1, DeepSeek-V2's "group_limited_greedy": only among the experts of the
+      ``topk_groups`` groups whose best expert scores highest);
+    - "sigmoid" (DeepSeek-V3's "noaux_tc"): sigmoid scores, experts chosen by score plus a learnt
+      correction bias, groups ranked by the sum of their two best biased scores;
+    - "topk_softmax" (gpt-oss): the top k logits first, then a softmax over those k alone.
+
+    The weights are then renormalised to sum to 1 if ``renormalize`` (Mixtral always; the others by
+    ``norm_topk_prob``) and multiplied by ``routed_scaling_factor``."""
 
     num_experts: int
     experts_per_token: int
@@ -146,10 +166,15 @@ class MoeConfig:
     # Mixtral weighs the experts' outputs by the float32 routing weights; the others round them to
     # the model dtype first.
     float32_weights: bool = False
-    shared_intermediate_size: int = 0  # Qwen2-MoE: a shared expert, gated by sigmoid(x w), on every token
+    shared_intermediate_size: int = 0  # a shared expert on every token (Qwen2-MoE, DeepSeek: n_shared_experts wide)
+    shared_expert_gated: bool = True  # Qwen2-MoE scales it by sigmoid(x w); DeepSeek adds it as it is
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    scoring: str = "softmax"  # "softmax", "sigmoid" or "topk_softmax" (see above)
+    float32_router: bool = False  # DeepSeek: transformers keeps the router's weight and logits in float32
     # Per layer: whether its MLP is the sparse block (Qwen-MoE's decoder_sparse_step / mlp_only_layers)
     sparse_layers: tuple[bool, ...] = ()
-    softmax_after_topk: bool = False  # gpt-oss: top k of the logits, then a softmax over those k
     router_bias: bool = False  # gpt-oss: the router's logits have a bias
     expert_bias: bool = False  # gpt-oss: the experts' gate/up and down projections have biases
     # The experts' activation: "silu" (SiLU(gate) * up) or "clamped_swiglu" (gpt-oss, layers/moe.py),
@@ -161,12 +186,24 @@ class MoeConfig:
     def is_sparse(self, layer: int) -> bool:
         return self.sparse_layers[layer] if self.sparse_layers else True
 
+    def __post_init__(self) -> None:
+        if self.scoring not in _MOE_SCORINGS:
+            raise ValueError(f"MoE scoring={self.scoring!r} is not supported; supported: {', '.join(_MOE_SCORINGS)}")
+        if self.num_experts % self.num_groups or not 1 <= self.topk_groups <= self.num_groups:
+            raise ValueError(f"config.json: n_group={self.num_groups} must divide the {self.num_experts} experts "
+                             f"and topk_group={self.topk_groups} must be in [1, n_group]")
+        if self.experts_per_token > self.topk_groups * (self.num_experts // self.num_groups):
+            raise ValueError(f"config.json: num_experts_per_tok={self.experts_per_token} exceeds the experts of "
+                             f"topk_group={self.topk_groups} groups")
+
     @staticmethod
     def from_hf(cfg: dict[str, Any], arch: str, num_layers: int) -> MoeConfig | None:
-        if arch not in _MOE_ARCHITECTURES:
-            return None
+        if arch in _DEEPSEEK_ARCHITECTURES:
+            return MoeConfig._deepseek(cfg, arch, num_layers)
         if arch == "GptOssForCausalLM":
             return MoeConfig._gpt_oss(cfg)
+        if arch not in _MOE_ARCHITECTURES:
+            return None
         mixtral = arch == "MixtralForCausalLM"
         # Hub configs say num_local_experts (Mixtral) or num_experts; transformers 5 writes the former
         experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
@@ -191,6 +228,39 @@ class MoeConfig:
             sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
         )
 
+    @staticmethod
+    def _deepseek(cfg: dict[str, Any], arch: str, num_layers: int) -> MoeConfig:
+        """DeepSeek-V2/V3: ``n_routed_experts`` routed and ``n_shared_experts`` shared experts of
+        ``moe_intermediate_size`` each; layers from ``first_k_dense_replace`` on, every
+        ``moe_layer_freq``-th, are sparse. V2 routes by ``topk_method``; V3 always as "noaux_tc"
+        (transformers' DeepSeek-V3 reads no topk_method). V2 with ``norm_topk_prob`` renormalises
+        instead of scaling, as DeepSeek's own V2 code does (transformers' V2 ignores the flag; the
+        released V2 configs all leave it false); V3 renormalises, then scales."""
+        v3 = arch == "DeepseekV3ForCausalLM"
+        method = "noaux_tc" if v3 else cfg.get("topk_method") or "greedy"
+        if not v3 and method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"config.json: topk_method={method!r} is not supported for {arch}; supported: greedy, "
+                             "group_limited_greedy")
+        grouped = method != "greedy"
+        inter = int(cfg["moe_intermediate_size"])
+        renormalize = bool(cfg.get("norm_topk_prob", False)) and int(cfg["num_experts_per_tok"]) > 1
+        scale = float(cfg.get("routed_scaling_factor") or 1.0)
+        first, freq = int(cfg.get("first_k_dense_replace") or 0), int(cfg.get("moe_layer_freq") or 1)
+        return MoeConfig(
+            num_experts=int(cfg["n_routed_experts"]),
+            experts_per_token=int(cfg["num_experts_per_tok"]),
+            expert_intermediate_size=inter,
+            renormalize=renormalize,
+            float32_weights=True,  # transformers weighs the experts' outputs in float32
+            shared_intermediate_size=inter * int(cfg.get("n_shared_experts") or 0),
+            shared_expert_gated=False,
+            num_groups=int(cfg.get("n_group") or 1) if grouped else 1,
+            topk_groups=int(cfg.get("topk_group") or 1) if grouped else 1,
+            routed_scaling_factor=1.0 if renormalize and not v3 else scale,
+            scoring="sigmoid" if v3 else "softmax",
+            float32_router=True,
+            sparse_layers=tuple(i >= first and i % freq == 0 for i in range(num_layers)),
+        )
 
     @staticmethod
     def _gpt_oss(cfg: dict[str, Any]) -> MoeConfig:
@@ -201,14 +271,45 @@ class MoeConfig:
         return MoeConfig(
             num_experts=experts, experts_per_token=per_token,
             expert_intermediate_size=int(cfg["intermediate_size"]),
-            softmax_after_topk=True, router_bias=True, expert_bias=True, activation="clamped_swiglu",
+            scoring="topk_softmax", router_bias=True, expert_bias=True, activation="clamped_swiglu",
             # transformers' defaults, for configs that leave them out (the released ones omit alpha)
             swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
         )
 
 
-_MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
-                      "GptOssForCausalLM")
+_MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+_DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+_MOE_SCORINGS = ("softmax", "sigmoid", "topk_softmax")
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2): keys and values of every head are rebuilt from one
+    ``kv_lora_rank`` latent per token, plus a ``qk_rope_head_dim`` rotary key shared by the heads;
+    queries come through a ``q_lora_rank`` bottleneck, or straight from the hidden state (None)."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    rope_interleaved: bool = True  # the checkpoint pairs rotary dims (2i, 2i + 1); V3's rope_interleave
+
+    @property
+    def latent_width(self) -> int:
+        """Values one token stores per layer: the latent and the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @staticmethod
+    def from_hf(cfg: dict[str, Any]) -> MlaConfig | None:
+        if not cfg.get("kv_lora_rank"):
+            return None
+        q_rank = cfg.get("q_lora_rank")
+        return MlaConfig(int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"]), int(cfg["qk_nope_head_dim"]),
+                         int(cfg["v_head_dim"]), int(q_rank) if q_rank else None,
+                         rope_interleaved=bool(cfg.get("rope_interleave", True)))
+
+
 
 
 @dataclass(frozen=True)
@@ -243,6 +344,7 @@ class ModelConfig:
     rope_layers: tuple[bool, ...] = ()
     moe: MoeConfig | None = None  # the experts of a mixture-of-experts model, None for a dense one
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip] after projection
+    mla: MlaConfig | None = None  # DeepSeek-V2's latent attention; head_dim is then its rotary key's
 
     def uses_rope(self, layer: int) -> bool:
         return self.rope_layers[layer] if self.rope_layers else True
@@ -269,6 +371,7 @@ class ModelConfig:
         use_sw = cfg.get("use_sliding_window", cfg.get("sliding_window") is not None)
         # Qwen2-MoE names the q/k/v bias qkv_bias
         bias = cfg["qkv_bias"] if cfg.get("qkv_bias") is not None else cfg.get("attention_bias", arch.startswith("Qwen2"))
+        mla = MlaConfig.from_hf(cfg)
         return ModelConfig(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -277,7 +380,8 @@ class ModelConfig:
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            # MLA rotates only the decoupled key: transformers makes head_dim that width too
+            head_dim=int(mla.qk_rope_head_dim if mla else cfg.get("head_dim") or hidden // num_heads),
             max_position=int(cfg.get("max_position_embeddings", 4096)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope=RopeConfig.from_hf(cfg),
@@ -296,6 +400,7 @@ class ModelConfig:
             rope_layers=tuple(bool(x) for x in cfg.get("no_rope_layers") or ()),
             moe=MoeConfig.from_hf(cfg, arch, int(cfg["num_hidden_layers"])),
             clip_qkv=_optional_float(cfg.get("clip_qkv")),
+            mla=mla,
         )
 
 

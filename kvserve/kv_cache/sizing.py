@@ -99,6 +99,18 @@ def max_sequence_blocks(num_blocks: int, num_full_groups: int, num_window_groups
     return max(num_blocks // groups, (num_blocks - num_window_groups * window_blocks) // num_full_groups)
 
 
+def model_kv_bytes_per_token(model: ModelConfig, kv_cache_dtype: str, model_dtype_bytes: int) -> int:
+    """What one token costs in the engine's cache of ``model``: latents for MLA, else K and V."""
+    value_bytes, scale_bytes = kv_element_bytes(kv_cache_dtype, model_dtype_bytes)
+    if model.mla is not None:
+        if scale_bytes:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported for {model.architecture}'s latent "
+                             "cache (multi-head latent attention); use 'auto'")
+        return mla_kv_bytes_per_token(model.num_layers, model.mla.kv_lora_rank, model.mla.qk_rope_head_dim,
+                                      value_bytes)
+    return kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, value_bytes, scale_bytes)
+
+
 @dataclass(frozen=True)
 class KVCacheInfo:
     """The engine's paged pool: how many blocks of how many tokens, and what one token costs (all
@@ -126,8 +138,7 @@ class KVCacheInfo:
 def size_kv_cache(config: EngineConfig, model: ModelConfig, layout: KVLayout | None = None) -> KVCacheInfo:
     """Blocks to preallocate: ``num_kv_blocks`` if given, else as many as the memory budget holds
     (blocks of ``layout``'s layers per block; by default one group of every layer)."""
-    value_bytes, scale_bytes = kv_element_bytes(config.cache.kv_cache_dtype, config.torch_dtype.itemsize)
-    per_token = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, value_bytes, scale_bytes)
+    per_token = model_kv_bytes_per_token(model, config.cache.kv_cache_dtype, config.torch_dtype.itemsize)
     groups = layout.num_groups if layout is not None else 1
     blocks = config.cache.num_kv_blocks or num_kv_blocks_for_budget(
         config.cache.kv_cache_memory_bytes, config.cache.block_size, per_token, groups)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.model.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from kvserve.model.models.gemma2 import Gemma2ForCausalLM
 from kvserve.model.models.gemma3 import Gemma3ForCausalLM
 from kvserve.model.models.gpt_oss import GptOssForCausalLM
@@ -15,6 +16,8 @@ from kvserve.model.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausal
 from kvserve.model.models.smollm3 import SmolLM3ForCausalLM
 
 _MODELS: dict[str, type[torch.nn.Module]] = {
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,

@@ -15,6 +15,7 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.kv_cache.groups import KVLayout, single_layout
 from kvserve.model.attention.backend import AttentionBackend, AttentionMetadata
+from kvserve.model.attention.mla import allocate_latent_cache
 from kvserve.model.models.llama_decode import build_fused_decoder
 from kvserve.request import PLACEHOLDER
 from kvserve.sample.device_tokens import SampledTokens, fill_placeholders
@@ -43,6 +44,19 @@ class RunnerOutput:
     pending: SampledTokens | None = None
 
 
+def allocate_kv_caches(backend: AttentionBackend, config: ModelConfig, num_blocks: int, block_size: int,
+                       dtype: torch.dtype, device: torch.device, count: int | None = None) -> list[torch.Tensor]:
+    """``count`` paged caches (default: one per layer): the backend's K/V layout, or for latent
+    attention (MLA) one latent row per token (attention/mla.py), the layout
+    ``sizing.mla_kv_bytes_per_token`` counts."""
+    count = config.num_layers if count is None else count
+    if config.mla is not None:
+        return [allocate_latent_cache(num_blocks, block_size, config.mla.latent_width, dtype, device)
+                for _ in range(count)]
+    return [backend.allocate_kv_cache(num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype, device)
+            for _ in range(count)]
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, backend: AttentionBackend, num_blocks: int,
                  block_size: int, kv_dtype: torch.dtype, device: torch.device, seed: int = 0,
@@ -53,10 +67,8 @@ class ModelRunner:
         self.block_size, self.device = block_size, device
         self.kv_layout = kv_layout or single_layout(config.num_layers)
         # one tensor per slot of a block; a hybrid model's groups share them, each using its own blocks
-        self.kv_tensors = [
-            backend.allocate_kv_cache(num_blocks, block_size, config.num_kv_heads, config.head_dim, kv_dtype, device)
-            for _ in range(self.kv_layout.layers_per_block)
-        ]
+        self.kv_tensors = allocate_kv_caches(backend, config, num_blocks, block_size, kv_dtype, device,
+                                             self.kv_layout.layers_per_block)
         self.kv_caches = [self.kv_tensors[slot] for slot in self.kv_layout.slot_of_layer()]  # by layer
         self.group_table_rows = [BlockTableRows() for _ in self.kv_layout.groups[1:]]
         if self.kv_layout.is_hybrid:
@@ -69,11 +81,11 @@ class ModelRunner:
         # Pure decode steps in one C++ call where the model and backend allow (bitwise the same result).
         self.fused_decoder = self._build_fused_decoder()
         self.decode_graphs = None
-        # (soft-capped attention takes a path with host values: nothing to capture)
+        # (soft-capped attention and MLA's take paths with host values: nothing to capture)
         if cuda_graphs is not None and self.kv_layout.is_hybrid:
             log.info("hybrid KV groups: decode steps run eagerly (the graphs hold one block table per step)")
         elif (cuda_graphs is not None and device.type == "cuda" and backend.supports_cuda_graphs
-                and config.attn_logit_softcap is None):
+                and config.attn_logit_softcap is None and config.mla is None):
             self.decode_graphs = capture_decode_graphs(self._eager_forward, *cuda_graphs, block_size, device)
 
     def _build_fused_decoder(self):

@@ -42,7 +42,7 @@ def test_gpt_oss_matches_transformers(tiny_gpt_oss, backend):
     assert cfg.layer_windows == (WINDOW, None, WINDOW) and cfg.attention_bias
     assert cfg.rope.rope_type == "yarn" and cfg.rope.attention_factor > 1 and not cfg.rope.truncate
     moe = cfg.moe
-    assert moe.softmax_after_topk and moe.router_bias and moe.expert_bias
+    assert moe.scoring == "topk_softmax" and moe.router_bias and moe.expert_bias
     assert (moe.activation, moe.swiglu_limit, moe.swiglu_alpha) == ("clamped_swiglu", 1.0, 1.702)
     assert llm.engine.core.runner.fused_decoder is None
     prompts = random_prompts(5, 5, 50, seed=1)
