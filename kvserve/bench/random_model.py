@@ -16,7 +16,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3
                 "Gemma3ForCausalLM": "gemma3_text", "SmolLM3ForCausalLM": "smollm3",
                 "Phi3ForCausalLM": "phi3",
                 "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
-                "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe"}
+                "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe", "GptOssForCausalLM": "gpt_oss",
+                "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
 
 # Tiny defaults: 2 layers, GQA 4/2, head_dim 16; overridden per call.
 TINY_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -59,10 +60,18 @@ def write_random_model(path: Path, arch: str = "LlamaForCausalLM", seed: int = 0
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
+    if model_type == "deepseek_v3":  # the routers' correction biases start at 0: make them matter
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                torch.nn.init.normal_(buffer, std=0.3)
     if model_type.startswith("gemma"):  # Gemma norms start at w = 0 (a gain of 1 + w): make them matter
         for name, param in model.named_parameters():
             if "norm" in name:
                 torch.nn.init.normal_(param, std=0.3)
+    if model_type == "gpt_oss":  # biases and sinks start at zero or tiny: make them change tokens
+        for name, param in model.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                torch.nn.init.normal_(param, std=1.0)
     model.save_pretrained(path)
     word_tokenizer(config.vocab_size).save_pretrained(path)
     return Path(path)

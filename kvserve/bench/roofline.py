@@ -16,11 +16,15 @@ dequantized) over seeded token-id prompts, greedy, EOS ignored:
   a few matmul shapes (``planner.hardware``), since one square size can understate it by half.
   Decode steps also read every sequence's KV, so even a perfect engine is held below the peak:
   the report gives that ceiling too (the run's FLOPs over its roofline time, prefill and every
-  decode step at max(compute, memory)), and how close the engine came to it.
+  decode step at max(compute, memory)), and how close the engine came to it;
+* with ``--shipped``, single streams of the model as it ships too (a GGUF file's own 4/8-bit blocks,
+  or ``--shipped-quantization``), against the bound of the bytes that engine keeps (what its kernels
+  read per step), and their speed over the dense single stream of the same run.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -178,6 +182,26 @@ def run_single_rounds(llm, setup: Setup, args, device: str) -> list[SingleStream
     return rounds
 
 
+def shipped_bytes_per_step(llm, setup: Setup, context: int) -> float:
+    """Bytes a quantized engine's decode step reads: every weight it keeps (an untied input table
+    only by the looked-up row) plus the request's KV, priced as for the dense run."""
+    from kvserve.model.layers.linear import VocabEmbedding
+
+    core = llm.engine.core
+    total = core.memory.weight_bytes
+    if not core.model_config.tie_word_embeddings:  # the table's own bytes: the weights share one arena
+        total -= sum(t.numel() * t.element_size() for m in core.runner.model.modules()
+                     if isinstance(m, VocabEmbedding) for t in m.state_dict().values())
+    return total + kv_bytes_per_user(setup, context)
+
+
+def run_shipped_rounds(llm, setup: Setup, args, device: str) -> list[SingleStream]:
+    """``run_single_rounds`` for the model as shipped: the same requests, its own bytes per step."""
+    per_step = shipped_bytes_per_step(llm, setup, args.prompt_len + args.single_output_len // 2)
+    return [replace(r, bytes_per_step=per_step).at_bandwidth(r.bandwidth)
+            for r in run_single_rounds(llm, setup, args, device)]
+
+
 def median_round(rounds: list[SingleStream]) -> SingleStream:
     """The round of median fraction (the lower middle one of an even number)."""
     return sorted(rounds, key=lambda r: r.fraction)[(len(rounds) - 1) // 2]
@@ -221,28 +245,60 @@ def run(args) -> int:
     cache = {"kv_cache_memory_bytes": int(args.kv_cache_memory * 1024**3)} if args.kv_cache_memory else {
         "num_kv_blocks": kv_blocks_for(max(batch_sizes), args.prompt_len + max(args.output_len, args.single_output_len))}
     llm = LLM(model=args.model, dtype=args.dtype, device=device, enforce_eager=args.enforce_eager,
-              max_num_seqs=max(batch_sizes), quantization="none", enable_prefix_caching=False,
+              async_scheduling=args.async_scheduling, max_num_seqs=max(batch_sizes), quantization="none", enable_prefix_caching=False,
               block_size=_BLOCK_SIZE, kv_cache_dtype=args.kv_cache_dtype, **cache)
     setup = model_setup(llm.engine.core.model_path, hardware, args.dtype, llm.engine.core.kv_info.block_size,
                         args.kv_cache_dtype)
     llm.generate(*_requests(llm, 1, 16, 4, args.seed), use_tqdm=False)  # warm-up: kernels, allocator
     rounds = run_single_rounds(llm, setup, args, device.split(":")[0])
     batched = [run_batched(llm, setup, b, args.prompt_len, args.output_len, args.seed) for b in batch_sizes]
+    shipped = None
+    if args.shipped:
+        del llm
+        quantized = LLM(model=args.model, dtype=args.dtype, device=device, enforce_eager=args.enforce_eager,
+                        max_num_seqs=1, quantization=args.shipped_quantization, enable_prefix_caching=False,
+                        block_size=_BLOCK_SIZE, kv_cache_dtype=args.kv_cache_dtype,
+                        num_kv_blocks=kv_blocks_for(1, args.prompt_len + args.single_output_len))
+        quantized.generate(*_requests(quantized, 1, 16, 4, args.seed), use_tqdm=False)
+        shipped = Shipped(quantized.engine.core.memory.quantization,
+                          run_shipped_rounds(quantized, setup, args, device.split(":")[0]))
     if args.report:
-        print(f"report: {write_report(setup, threads.num_threads, rounds, batched, Path(args.report))}",
+        print(f"report: {write_report(setup, threads.num_threads, rounds, batched, Path(args.report), shipped)}",
               file=sys.stderr)
-    report(setup, threads.num_threads, rounds, batched, args.json)
+    report(setup, threads.num_threads, rounds, batched, args.json, shipped)
     return 0
+
+
+@dataclass(frozen=True)
+class Shipped:
+    """The single streams of the model as shipped (``--shipped``)."""
+
+    quantization: str  # as the engine describes its layers, e.g. "int4-g32 x210, int8-g32 x1"
+    rounds: list[SingleStream]
+
+    def over_dense(self, dense: list[SingleStream]) -> float:
+        """Median shipped decode rate over the median dense one."""
+        return median_round(self.rounds).decode_tokens_per_s / _median_rate(dense)
+
+
+def _median_rate(rounds: list[SingleStream]) -> float:
+    rates = sorted(r.decode_tokens_per_s for r in rounds)
+    return rates[(len(rates) - 1) // 2]
 
 
 def _single_json(single: SingleStream) -> dict:
     return {**asdict(single), "fraction": single.fraction, "effective_bandwidth": single.effective_bandwidth}
 
 
-def summary(setup: Setup, threads: int, rounds: list[SingleStream], batched: list[Batched]) -> dict:
+def summary(setup: Setup, threads: int, rounds: list[SingleStream], batched: list[Batched],
+            shipped: Shipped | None = None) -> dict:
     """The figures, as `--json` prints them."""
     hw, best, single = setup.hardware, max(batched, key=lambda b: b.output_tokens_per_s), median_round(rounds)
     context = single.prompt_len + single.output_len // 2
+    extra = {} if shipped is None else {"shipped": {
+        "quantization": shipped.quantization, "single_stream": _single_json(median_round(shipped.rounds)),
+        "single_stream_rounds": [_single_json(r) for r in shipped.rounds],
+        "over_dense_single_stream": shipped.over_dense(rounds)}}
     return {
         "machine": {"name": hw.name, "bandwidth": hw.bandwidth, "matmul_flops": hw.peak_flops(setup.dtype)},
         "model": setup.model.name, "dtype": setup.dtype, "kv_cache_dtype": setup.kv_cache_dtype,
@@ -251,10 +307,11 @@ def summary(setup: Setup, threads: int, rounds: list[SingleStream], batched: lis
         "single_stream": _single_json(single),
         "single_stream_rounds": [_single_json(r) for r in rounds],
         "batched": [{**asdict(b), "flops_fraction": b.flops_fraction, "of_ceiling": b.of_ceiling} for b in batched],
-        "best_batch_size": best.batch_size}
+        "best_batch_size": best.batch_size, **extra}
 
 
-def write_report(setup: Setup, threads: int, rounds: list[SingleStream], batched: list[Batched], out: Path) -> Path:
+def write_report(setup: Setup, threads: int, rounds: list[SingleStream], batched: list[Batched], out: Path,
+                 shipped: Shipped | None = None) -> Path:
     from kvserve.bench.report import Page, Table, bar_chart, fmt, line_chart, write_page
 
     sizes = [b.batch_size for b in batched]
@@ -276,20 +333,29 @@ def write_report(setup: Setup, threads: int, rounds: list[SingleStream], batched
                   [(b.batch_size, fmt(b.output_tokens_per_s), fmt(b.decode_bound_tokens_per_s),
                     fmt(b.achieved_flops / 1e12, 3), f"{100 * b.flops_fraction:.1f}%", f"{100 * b.ceiling_fraction:.1f}%",
                     f"{100 * b.of_ceiling:.1f}%") for b in batched], "Batched")
+    tables = [single, table]
+    if shipped is not None:
+        tables.append(Table(("round", "decode tok/s", "copy GB/s", "memory bound tok/s", "of the bound"),
+                            [(f"round {i + 1}", fmt(r.decode_tokens_per_s), fmt(r.bandwidth / 1e9),
+                              fmt(r.bound_tokens_per_s), f"{100 * r.fraction:.0f}%")
+                             for i, r in enumerate(shipped.rounds)],
+                            f"Single stream as shipped ({shipped.quantization}): "
+                            f"{shipped.over_dense(rounds):.2f}x the dense one"))
     hw = setup.hardware
     described = (f"machine {hw.name}: copy bandwidth {hw.bandwidth / 1e9:.1f} GB/s, {setup.dtype} matmul "
                  f"{hw.peak_flops(setup.dtype) / 1e12:.2f} TFLOP/s, engine threads {threads}; model "
                  f"{setup.model.name} {setup.dtype} (KV cache {setup.kv_cache_dtype})")
-    return write_page(Page("kvserve bench roofline", described, [single, table],
+    return write_page(Page("kvserve bench roofline", described, tables,
                            [("single.png", "Single stream"), ("batched.png", "Batched throughput"),
-                            ("flops.png", "Batched FLOP/s")], summary(setup, threads, rounds, batched)), out)
+                            ("flops.png", "Batched FLOP/s")], summary(setup, threads, rounds, batched, shipped)), out)
 
 
-def report(setup: Setup, threads: int, rounds: list[SingleStream], batched: list[Batched], as_json: bool) -> None:
+def report(setup: Setup, threads: int, rounds: list[SingleStream], batched: list[Batched], as_json: bool,
+           shipped: Shipped | None = None) -> None:
     hw, best, single = setup.hardware, max(batched, key=lambda b: b.output_tokens_per_s), median_round(rounds)
     context = single.prompt_len + single.output_len // 2
     if as_json:
-        print(json.dumps(summary(setup, threads, rounds, batched), indent=2))
+        print(json.dumps(summary(setup, threads, rounds, batched, shipped), indent=2))
         return
     print(f"machine: {hw.name}: copy bandwidth {hw.bandwidth / 1e9:.1f} GB/s, "
           f"{setup.dtype} matmul {hw.peak_flops(setup.dtype) / 1e12:.2f} TFLOP/s; engine threads {threads}")
@@ -310,6 +376,14 @@ def report(setup: Setup, threads: int, rounds: list[SingleStream], batched: list
         print(f"{b.batch_size:5d} {b.output_tokens_per_s:9.1f} {b.decode_bound_tokens_per_s:12.1f} "
               f"{b.achieved_flops / 1e12:16.3f} {100 * b.flops_fraction:13.1f}% {100 * b.ceiling_fraction:14.1f}% "
               f"{100 * b.of_ceiling:6.1f}%{mark}")
+    if shipped is not None:
+        for i, r in enumerate(shipped.rounds):
+            print(f"as shipped ({shipped.quantization}) round {i + 1}: {r.decode_tokens_per_s:.1f} tok/s; copy "
+                  f"{r.bandwidth / 1e9:.1f} GB/s, memory bound {r.bound_tokens_per_s:.1f} tok/s "
+                  f"({r.bytes_per_step / 1e6:.1f} MB per step): {100 * r.fraction:.0f}%")
+        mid = median_round(shipped.rounds)
+        print(f"as shipped, median round: {mid.decode_tokens_per_s:.1f} tok/s, {100 * mid.fraction:.0f}% of its "
+              f"bound; {shipped.over_dense(rounds):.2f}x the dense {setup.dtype} single stream")
 
 
 def add_parser(bench_sub) -> None:
@@ -318,6 +392,8 @@ def add_parser(bench_sub) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="cpu, cuda[:N], or auto (cuda when torch sees a GPU)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule a step while the previous one runs (default: the engine's, on for CUDA)")
     p.add_argument("--num-threads", type=int, default=None, help="engine threads (default: kvserve's choice)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--single-output-len", type=int, default=256, help="output tokens of the single stream")
@@ -332,6 +408,10 @@ def add_parser(bench_sub) -> None:
     p.add_argument("--copy-mib", type=int, default=256, help="size of the bandwidth test's copy")
     p.add_argument("--measure-seconds", type=float, default=1.0, help="time per machine measurement")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shipped", action="store_true",
+                   help="also single streams of the model as shipped (a GGUF file's own blocks), against its bytes")
+    p.add_argument("--shipped-quantization", default=None, choices=["int8", "int4"],
+                   help="with --shipped: quantize at load instead of keeping the checkpoint's own format")
     p.add_argument("--json", action="store_true")
     add_report_argument(p, "single-stream and batched speed against their bounds")
     p.set_defaults(func=run)

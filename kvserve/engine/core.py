@@ -14,8 +14,10 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.stats import EngineSnapshot
+from kvserve.kv_cache.groups import KVLayout, kv_layout
+from kvserve.kv_cache.hybrid import make_kv_cache
 from kvserve.kv_cache.manager import KVCacheManager
-from kvserve.kv_cache.sizing import KVCacheInfo, max_window_blocks, size_kv_cache
+from kvserve.kv_cache.sizing import KVCacheInfo, max_sequence_blocks, max_window_blocks, size_kv_cache
 from kvserve.model.attention.backend import get_backend
 from kvserve.model.loader import auto_dtype, load_model, resolve_model_path
 from kvserve.model.quant.registry import describe_quantization, weight_bytes
@@ -23,6 +25,7 @@ from kvserve.model.sharding import TensorShard
 from kvserve.request import Request, RequestStatus
 from kvserve.runtime.allocator import keep_freed_memory
 from kvserve.runtime.host_memory import check_fits
+from kvserve.sample.device_tokens import SampledTokens
 from kvserve.sample.grammar import GrammarCompiler
 from kvserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from kvserve.scheduler.scheduler import Scheduler
@@ -60,6 +63,19 @@ class StepUpdate:
     finished: bool
 
 
+@dataclass
+class InFlightStep:
+    """A launched step not read yet (async scheduling): its requests as they were when it was
+    scheduled (a request id can come back as another request), and what the runner returned."""
+
+    requests: dict[str, Request]
+    result: RunnerOutput
+
+    def sampled_ids(self):
+        result = self.result
+        return result.pending.request_ids if result.pending is not None else result.token_ids.keys()
+
+
 @dataclass(frozen=True)
 class MemoryReport:
     """What the weights and the KV cache occupy: logged at start-up and exported on /metrics."""
@@ -73,9 +89,8 @@ class MemoryReport:
 
     @staticmethod
     def of(model: torch.nn.Module, kv: KVCacheInfo, config: EngineConfig) -> MemoryReport:
-        return MemoryReport(weight_bytes(model), kv.bytes_per_token, kv.capacity_tokens,
-                            kv.capacity_tokens * kv.bytes_per_token, describe_quantization(model),
-                            config.cache.kv_cache_dtype)
+        return MemoryReport(weight_bytes(model), kv.bytes_per_token, kv.capacity_tokens, kv.pool_bytes,
+                            describe_quantization(model), config.cache.kv_cache_dtype)
 
     def summary(self) -> str:
         return (f"weights {self.weight_bytes / 2**20:.1f} MiB ({self.quantization}); KV cache "
@@ -98,7 +113,8 @@ class EngineCore:
                                               config.quant.quantization, config.quant.group_size,
                                               config.scheduler.max_model_len,
                                               shard=TensorShard(0, tp) if tp > 1 else None)
-        self.kv_info = size_kv_cache(config, self.model_config)
+        self.kv_layout = self._kv_layout(model, config)
+        self.kv_info = size_kv_cache(config, self.model_config, self.kv_layout)
         self.memory = MemoryReport.of(model, self.kv_info, config)
         log.info("memory: %s", self.memory.summary())
         if device.type == "cpu":  # its pages are committed as they are written: refuse now, not under load
@@ -106,15 +122,16 @@ class EngineCore:
                        "lower --kv-cache-memory (kv_cache_memory_bytes) or --num-kv-blocks")
         backend = get_backend(device, config.cache.kv_cache_dtype, config.attention_backend)
         self.sinks = config.cache.attention_sinks
-        window = self.model_config.all_layers_windowed
         if self.sinks:
             window = self._use_attention_sinks(model, backend, config)
             self.max_model_len = min(self.model_config.max_position, config.scheduler.max_model_len or 1 << 62)
+            self.kv_cache = KVCacheManager(self.kv_info.num_blocks, self.kv_info.block_size,
+                                           config.cache.enable_prefix_caching, window=window, sinks=self.sinks)
         else:
             self.max_model_len = min(self.model_config.max_position, config.scheduler.max_model_len or 1 << 62,
                                      self._kv_length_limit(config))
-        self.kv_cache = KVCacheManager(self.kv_info.num_blocks, self.kv_info.block_size,
-                                       config.cache.enable_prefix_caching, window=window, sinks=self.sinks)
+            self.kv_cache = make_kv_cache(self.kv_info.num_blocks, self.kv_info.block_size, self.kv_layout,
+                                          config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         graphs = None if config.enforce_eager else (config.scheduler.max_num_seqs, self.max_model_len)
         if tp > 1:  # rank 0 of tp: the other ranks are started here with the same KV block layout
@@ -123,13 +140,16 @@ class EngineCore:
         else:
             self.runner = ModelRunner(model, self.model_config, backend, self.kv_info.num_blocks,
                                       self.kv_info.block_size, config.torch_dtype, device, config.seed,
-                                      cuda_graphs=graphs)
+                                      cuda_graphs=graphs, kv_layout=self.kv_layout)
         self.num_steps = 0
         self.num_batched_tokens = 0  # tokens computed over all steps (prompt chunks, decodes, proposals)
         self.failed: list[RequestFailedError] = []  # requests a step took out; the caller drains it
         self._failed_steps = 0  # consecutive steps in which every request failed
         self.num_prefill_tokens = self.num_decode_tokens = self.num_spec_tokens = 0  # the same, split
         self.spec = self._make_speculation(config)
+        self.overlaps = config.overlap_steps  # async scheduling: see step()
+        self._in_flight: InFlightStep | None = None
+        self._sync_requests: set[str] = set()  # requests whose every step must be read before the next
         self.grammars: GrammarCompiler | None = None  # structured outputs: set by use_tokenizer()
 
     def use_tokenizer(self, tokenizer) -> None:
@@ -137,15 +157,23 @@ class EngineCore:
         which only the text layer loads."""
         self.grammars = GrammarCompiler(tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
 
+    def _kv_layout(self, model: torch.nn.Module, config: EngineConfig) -> KVLayout:
+        """The KV groups: a hybrid model's local layers keep their own, windowed block tables where the
+        runner can read them (one process, a model that reads per-group tables), else one group."""
+        hybrid = config.tensor_parallel_size == 1 and hasattr(model, "use_kv_groups")
+        return kv_layout(self.model_config.layer_windows, self.model_config.num_layers, hybrid)
+
     def _kv_length_limit(self, config: EngineConfig) -> int:
-        """The longest sequence the KV pool holds: all of it, unless every layer slides over a window
-        and a step's blocks (the window plus a full token budget, max_window_blocks) fit the pool; then
-        the blocks behind the window are released as the sequence grows and length is no limit."""
-        window, info = self.model_config.all_layers_windowed, self.kv_info
+        """The longest sequence the KV pool holds: the full groups' share of it once the window groups
+        hold their most (max_window_blocks: the window plus a full token budget); no limit when every
+        layer slides and that fits (sizing.max_sequence_blocks)."""
+        info, groups = self.kv_info, self.kv_layout.groups
         step_tokens = config.scheduler.max_num_batched_tokens  # proposals to verify are cut to the budget too
-        if window is not None and max_window_blocks(window, info.block_size, step_tokens) <= info.num_blocks:
-            return 1 << 62
-        return info.capacity_tokens
+        windows = {g.window for g in groups if g.window is not None}
+        window_blocks = max((max_window_blocks(w, info.block_size, step_tokens) for w in windows), default=0)
+        num_full = sum(1 for g in groups if g.window is None)
+        blocks = max_sequence_blocks(info.num_blocks, num_full, len(groups) - num_full, window_blocks)
+        return 1 << 62 if blocks is None else blocks * info.block_size
 
     def _use_attention_sinks(self, model: torch.nn.Module, backend, config: EngineConfig) -> int:
         """Turn on attention sinks (``attention_sinks`` N): the model attends to the first N positions
@@ -199,6 +227,8 @@ class EngineCore:
         if params.structured_outputs is not None:
             request.grammar = self.grammars.matcher(params.structured_outputs)
         self.scheduler.add_request(request)
+        if request.grammar is not None or params.needs_penalties:
+            self._sync_requests.add(request_id)
         return request
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -235,7 +265,8 @@ class EngineCore:
         return EngineSnapshot(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=kv.usage, num_preemptions=self.scheduler.num_preemptions,
-            kv_cache_tokens=self.kv_info.capacity_tokens, weight_bytes=self.memory.weight_bytes,
+            kv_cache_tokens=self.kv_info.capacity_tokens, kv_cache_blocks=kv.num_blocks,
+            kv_blocks_in_use=kv.held_blocks_by_kind(), weight_bytes=self.memory.weight_bytes,
             kv_bytes_per_token=self.memory.kv_bytes_per_token,
             prefix_cache_queries=kv.prefix_stats.queries, prefix_cache_hits=kv.prefix_stats.hits,
             prefix_cache_evictions=kv.pool.stats.evictions,
@@ -246,7 +277,7 @@ class EngineCore:
             num_spec_tokens=self.num_spec_tokens, block_map=kv.block_map() if with_block_map else None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ---- the loop -----------------------------------------------------------------------------
     def warm_up(self, num_tokens: int = 64, first_tokens: int = 8) -> float:
@@ -279,18 +310,25 @@ class EngineCore:
         return n / elapsed
 
     def step(self) -> list[StepUpdate]:
+        """One step. With async scheduling (``overlaps``) the step launched here is read by the next
+        call, and this one returns the previous step's tokens; while a request needs each token
+        before the next is scheduled, steps are synchronous (``_needs_sync_steps``)."""
+        if self.overlaps and not self._needs_sync_steps():
+            return self._step_overlapped()
+        updates = self._drain()
+        return updates + self._step_sync()
+
+    def _needs_sync_steps(self) -> bool:
+        """Speculation proposes from, and grammars and penalties sample by, the tokens so far: the
+        step that produced the last one must have been read."""
+        return self.spec is not None or bool(self._sync_requests)
+
+    def _step_sync(self) -> list[StepUpdate]:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        now = time.perf_counter()
-        for s in out.scheduled:
-            req = self.scheduler.requests[s.request_id]
-            if req.metrics.first_scheduled is None:
-                req.metrics.first_scheduled = now
-            self._count_kind(s)
+        self._start_step(out)
         sampled = self._execute(out)
-        self.num_steps += 1
-        self.num_batched_tokens += out.num_batched_tokens
         self._record_prompt_logprobs(sampled)
         now, requests, logprobs = time.perf_counter(), self.scheduler.requests, sampled.logprobs
         updates = [self._append_tokens(requests[rid], [tok], now, logprobs.get(rid))
@@ -304,26 +342,94 @@ class EngineCore:
             self.spec.propose(self.scheduler.running)
         return updates
 
-    def _execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """Run the step. If it raises, run each request alone: those that fail again are finished
-        and listed in ``failed``, the rest keep their results (re-running a chunk rewrites the same
-        KV). EngineFatalError once every request of MAX_FAILED_STEPS steps in a row has failed."""
+    def _start_step(self, out: SchedulerOutput) -> None:
+        now = time.perf_counter()
+        for s in out.scheduled:
+            req = self.scheduler.requests[s.request_id]
+            if req.metrics.first_scheduled is None:
+                req.metrics.first_scheduled = now
+            self._count_kind(s)
+        self.num_steps += 1
+        self.num_batched_tokens += out.num_batched_tokens
+
+    # ---- async scheduling: schedule and launch step N+1, then read step N ---------------------
+    def _step_overlapped(self) -> list[StepUpdate]:
+        """Schedule this step from what the host knows: each request the step in flight samples for
+        has one more token, pending (``Request.num_pending``), whose id the runner gathers on the
+        device. Launch it, then read the step in flight, apply its tokens and stop conditions: a
+        request that ended there has computed one token past its end in this step, dropped when this
+        step is read (``_read``); its KV was freed when it ended (the device runs steps in order)."""
+        previous, self._in_flight = self._in_flight, None
+        out = self.scheduler.schedule()
+        current = None
+        if not out.is_empty:
+            self._start_step(out)
+            requests = self.scheduler.requests
+            current = InFlightStep({s.request_id: requests[s.request_id] for s in out.scheduled},
+                                   self._execute(out, previous.result.pending if previous else None, defer=True))
+            self.scheduler.advance(out)
+            for rid in current.sampled_ids():
+                if rid in requests:  # (a request that failed alone was taken out)
+                    requests[rid].num_pending += 1
+        updates = self._read(previous) if previous is not None else []
+        if current is not None:
+            self.scheduler.commit(out)  # the tokens its full blocks hold are all known now
+            if current.result.pending is None:  # nothing sampled, or run request by request after an error
+                updates += self._read(current)
+            else:
+                self._in_flight = current
+        if self._in_flight is not None and not self.scheduler.has_unfinished():
+            self._drain()  # every request it computed for has ended: nothing to wait for later
+        return updates
+
+    def _read(self, step: InFlightStep) -> list[StepUpdate]:
+        """Append a launched step's sampled tokens to the requests that are still there."""
+        result = step.result
+        if result.pending is not None:
+            result.token_ids, result.pending = result.pending.read(), None
+        requests, now = self.scheduler.requests, time.perf_counter()
+        self._record_prompt_logprobs(result)
+        updates = []
+        for rid, token in result.token_ids.items():
+            request = step.requests[rid]
+            request.num_pending -= 1
+            if requests.get(rid) is request:  # else it ended (stopped, aborted) before this token
+                updates.append(self._append_tokens(request, [token], now, result.logprobs.get(rid)))
+        return updates
+
+    def _drain(self) -> list[StepUpdate]:
+        """Read the step in flight, if any (before a synchronous step, or when nothing is left)."""
+        step, self._in_flight = self._in_flight, None
+        return self._read(step) if step is not None else []
+
+    def _execute(self, out: SchedulerOutput, previous: SampledTokens | None = None,
+                 defer: bool = False) -> RunnerOutput:
+        """Run the step (placeholders from ``previous``; ``defer``: its sampled ids left on the device).
+        If it raises, run each request alone: those that fail again are finished and listed in
+        ``failed``, the rest keep their results (re-running a chunk rewrites the same KV), read at
+        once. EngineFatalError once every request of MAX_FAILED_STEPS steps in a row has failed."""
         try:
-            sampled = self.runner.execute(out)
+            sampled = self._run(out, previous, defer)
         except RankFailedError as error:  # no request's fault: the model is gone
             raise EngineFatalError(str(error)) from error
         except Exception as error:  # noqa: BLE001 - sorted out below: one request's fault, or the engine's
-            sampled = self._execute_each(out, error)
+            sampled = self._execute_each(out, error, previous)
         else:
             self._failed_steps = 0
         return sampled
 
-    def _execute_each(self, out: SchedulerOutput, error: Exception) -> RunnerOutput:
+    def _run(self, out: SchedulerOutput, previous: SampledTokens | None, defer: bool) -> RunnerOutput:
+        """A synchronous step calls the runner as it always has: ``execute(out)``."""
+        if previous is None and not defer:
+            return self.runner.execute(out)
+        return self.runner.execute(out, previous, defer)
+
+    def _execute_each(self, out: SchedulerOutput, error: Exception, previous: SampledTokens | None) -> RunnerOutput:
         log.warning("a step of %d requests raised %r; running each alone", len(out.scheduled), error)
         merged, failed = RunnerOutput(), []
         for s in out.scheduled:
             try:
-                part = self.runner.execute(SchedulerOutput([s], block_copies=out.block_copies))
+                part = self._run(SchedulerOutput([s], block_copies=out.block_copies), previous, False)
             except RankFailedError as e:
                 raise EngineFatalError(str(e)) from e
             except Exception as e:  # noqa: BLE001 - this request is the one at fault
@@ -369,7 +475,9 @@ class EngineCore:
     def _record_prompt_logprobs(self, sampled: RunnerOutput) -> None:
         # Slice assignment: a chunk recomputed after preemption overwrites its own positions.
         for rid, (first, scored) in sampled.prompt_logprobs.items():
-            self.scheduler.requests[rid].prompt_logprobs[first - 1:first - 1 + len(scored)] = scored
+            request = self.scheduler.requests.get(rid)  # (async scheduling: it may have ended since)
+            if request is not None:
+                request.prompt_logprobs[first - 1:first - 1 + len(scored)] = scored
 
     def _append_tokens(self, request: Request, tokens: list[int], now: float,
                        logprob: TokenLogprob | None = None) -> StepUpdate:
@@ -397,7 +505,7 @@ class EngineCore:
             return FinishReason.STOP
         if len(request.output_token_ids) >= params.max_tokens:
             return FinishReason.LENGTH
-        if request.num_tokens >= self.max_model_len and not self.sinks:  # sinks: KV stays bounded past it
+        if request.num_tokens - request.num_pending >= self.max_model_len and not self.sinks:  # sinks: KV stays bounded
             return FinishReason.LENGTH
         return None
 
@@ -414,6 +522,7 @@ class EngineCore:
     def finish(self, request_id: str, reason: FinishReason) -> None:
         if self.spec is not None:
             self.spec.forget(request_id)
+        self._sync_requests.discard(request_id)
         request = self.scheduler.finish_request(request_id, reason)
         if request is not None:
             request.metrics.finished = time.perf_counter()

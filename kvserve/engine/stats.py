@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvserve.kv_cache.block_map import BlockMap
 
@@ -16,6 +16,9 @@ class EngineSnapshot:
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
     num_preemptions: int = 0  # cumulative
     kv_cache_tokens: int = 0  # capacity
+    kv_cache_blocks: int = 0  # blocks in the pool (a hybrid model's block holds one KV group's layers)
+    # blocks requests hold now, by the kind of layers they serve: "full" attention or sliding "window"
+    kv_blocks_in_use: dict[str, int] = field(default_factory=dict)
     weight_bytes: int = 0  # model weights as loaded (quantized or not): EngineCore.memory
     kv_bytes_per_token: int = 0  # all layers, K and V, scales included
     # cumulative prefix-cache counters (tokens), and blocks evicted from the cache

@@ -22,6 +22,7 @@ sinks are kept and the released run starts after them.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from kvserve.kv_cache.block_map import CACHED, OWNED, SHARED, BlockMap
@@ -59,9 +60,12 @@ class KVCacheManager:
     """Owns the block pool and every request's block table."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 window: int | None = None, sinks: int = 0) -> None:
+                 window: int | None = None, sinks: int = 0, pool: BlockPool | None = None,
+                 key_extra: Hashable = None) -> None:
         """``window``: the sliding window of a model whose every layer slides, or the recent window
-        beside ``sinks`` attention-sink tokens (see the module doc)."""
+        beside ``sinks`` attention-sink tokens (see the module doc). ``pool`` and ``key_extra``: one
+        KV group of a hybrid model (kv_cache/hybrid.py), drawing on a pool shared with the other
+        groups, its cached blocks keyed apart from theirs."""
         if window is not None and window < 1:
             raise ValueError(f"window={window} must be >= 1")
         if sinks < 0 or (sinks and window is None):
@@ -70,13 +74,17 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.window = window
-        self.pool = BlockPool(num_blocks)
+        self.key_extra = key_extra
+        self.pool = pool if pool is not None else BlockPool(num_blocks)
         self.prefix_stats = PrefixCacheStats()
         self._tables: dict[str, list[int]] = {}
         self._keys: dict[str, list[BlockKey]] = {}  # full-block keys of a request's tokens so far
         self._num_registered: dict[str, int] = {}  # leading blocks of the table already in the cache
         # blocks of the table released (outside the window): the run after the sink blocks
         self._num_released: dict[str, int] = {}
+        # distinct blocks this manager's tables hold; with a shared pool (hybrid) a block is only
+        # ever held by one group, as each group's cache keys are its own
+        self.num_owned_blocks = 0
 
     @property
     def num_blocks(self) -> int:
@@ -94,6 +102,14 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 
+    def held_blocks_by_kind(self) -> dict[str, int]:
+        """Blocks requests hold now, by the kind of their layers ("full" or "window"): here one kind."""
+        return {"full" if self.window is None else "window": self.num_owned_blocks}
+
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        """One table per KV group (here one); the hybrid manager has one per group."""
+        return [self._tables.get(request_id, [])]
+
     def num_held_blocks(self, request_id: str) -> int:
         """Blocks the request holds now (its table less the entries released outside the window)."""
         return len(self._tables.get(request_id, [])) - self._num_released.get(request_id, 0)
@@ -106,14 +122,25 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return []
-        limit = (request.num_tokens - 1) // self.block_size
         hits = []
-        for key in self._request_keys(request, limit):
+        for key in self._request_keys(request, self.max_prefix_blocks(request)):
             block = self.pool.lookup(key)
             if block is None:
                 break
             hits.append(block)
         return hits
+
+    def max_prefix_blocks(self, request: Request) -> int:
+        """The most full blocks a prefix hit may cover: one token is always left to compute."""
+        return (request.num_tokens - 1) // self.block_size
+
+    def cached_blocks(self, request: Request, num_blocks: int) -> list[int | None]:
+        """The cached block holding each of the request's first ``num_blocks`` blocks, or None."""
+        return [self.pool.lookup(key) for key in self._request_keys(request, num_blocks)]
+
+    def request_ids(self) -> list[str]:
+        """Requests holding a table now."""
+        return list(self._tables)
 
     def uncached_keys(self, request: Request, num_hits: int) -> list[int]:
         """Hashes of the request's prompt blocks after its ``num_hits`` cached ones: the KV it would
@@ -156,15 +183,28 @@ class KVCacheManager:
         end = min(first_needed_block(num_computed, self.window, self.block_size), len(table))
         if end <= start:
             return
-        self.pool.free([b for b in table[start:end] if b != RELEASED])
+        self._free([b for b in table[start:end] if b != RELEASED])
         table[start:end] = [RELEASED] * (end - start)
         self._num_released[request_id] = end - self.sink_blocks
+
+    def _touch(self, block: int) -> None:
+        self.num_owned_blocks += self.pool.ref_count(block) == 0
+        self.pool.touch(block)
+
+    def _allocate(self, n: int) -> list[int]:
+        blocks = self.pool.allocate(n)
+        self.num_owned_blocks += n
+        return blocks
+
+    def _free(self, blocks: list[int]) -> None:
+        self.pool.free(blocks)
+        self.num_owned_blocks -= sum(1 for b in blocks if self.pool.ref_count(b) == 0)
 
     def _request_keys(self, request: Request, num_blocks: int) -> list[BlockKey]:
         keys = self._keys.get(request.request_id, [])
         if len(keys) < num_blocks:
             tokens = request.token_slice(0, num_blocks * self.block_size)
-            keys = chain_keys(tokens, self.block_size, keys)
+            keys = chain_keys(tokens, self.block_size, keys, self.key_extra)
             self._keys[request.request_id] = keys
         return keys[:num_blocks]
 
@@ -172,36 +212,56 @@ class KVCacheManager:
     def allocate_slots(self, request_id: str, num_tokens: int, prefix: list[int] | None = None) -> bool:
         """Grow the request's table to hold ``num_tokens`` tokens, starting from the shared
         ``prefix`` blocks if given (only for a request without blocks). All or nothing."""
+        missing, reclaimed = self.blocks_to_allocate(request_id, num_tokens, prefix)
+        if missing > self.pool.num_free_blocks - reclaimed:
+            return False
+        self.grow(request_id, num_tokens, prefix)
+        return True
+
+    def blocks_to_allocate(self, request_id: str, num_tokens: int, prefix: list[int] | None = None) -> tuple[int, int]:
+        """(new blocks ``allocate_slots`` would take, cached prefix blocks it would take out of the free
+        queue): it succeeds when their sum fits the free blocks. Changes nothing."""
         table = self._tables.get(request_id, [])
         if not prefix and num_tokens <= len(table) * self.block_size:
-            return True  # most decode steps: the last block still has room
+            return 0, 0  # most decode steps: the last block still has room
         prefix = prefix or []
         if prefix and table:
             raise RuntimeError(f"request {request_id} already has blocks; a prefix can only start a table")
         missing = blocks_needed(num_tokens, self.block_size) - len(table) - len(prefix)
-        # (sliding window) the prefix's blocks before the first computed token's window are not read: not taken
-        skip_end = first_needed_block(len(prefix) * self.block_size, self.window, self.block_size) if prefix else 0
-        keep = min(self.sink_blocks, len(prefix))  # (attention sinks) the sink blocks are read for good
-        skip_end = max(skip_end, keep)
+        keep, skip_end = self._prefix_split(prefix)
         taken = prefix[:keep] + prefix[skip_end:]
-        reclaimed = sum(1 for b in taken if self.pool.ref_count(b) == 0)  # cached blocks leave the free queue
-        if missing > self.pool.num_free_blocks - reclaimed:
-            return False
+        return max(missing, 0), sum(1 for b in taken if self.pool.ref_count(b) == 0)  # cached ones leave the free queue
+
+    def _prefix_split(self, prefix: list[int]) -> tuple[int, int]:
+        """(leading sink blocks kept, end of the run not taken): (sliding window) the prefix's blocks
+        before the first computed token's window are not read, so not taken (entries there may be
+        RELEASED); (attention sinks) the sink blocks are read for good."""
+        skip_end = first_needed_block(len(prefix) * self.block_size, self.window, self.block_size) if prefix else 0
+        keep = min(self.sink_blocks, len(prefix))
+        return keep, max(skip_end, keep)
+
+    def grow(self, request_id: str, num_tokens: int, prefix: list[int] | None = None) -> None:
+        """``allocate_slots`` once ``blocks_to_allocate`` fits: raises OutOfBlocksError otherwise."""
+        table = self._tables.get(request_id, [])
+        if not prefix and num_tokens <= len(table) * self.block_size:
+            return
+        prefix = prefix or []
+        missing = blocks_needed(num_tokens, self.block_size) - len(table) - len(prefix)
+        keep, skip_end = self._prefix_split(prefix)
         table = self._tables.setdefault(request_id, table)
         for b in prefix[:keep]:
-            self.pool.touch(b)
+            self._touch(b)
             table.append(b)
         table.extend([RELEASED] * (skip_end - keep))
         for b in prefix[skip_end:]:
-            self.pool.touch(b)
+            self._touch(b)
             table.append(b)
         if prefix:
             self._num_registered[request_id] = len(prefix)
         if skip_end > keep:
             self._num_released[request_id] = skip_end - keep
         if missing > 0:
-            table.extend(self.pool.allocate(missing))
-        return True
+            table.extend(self._allocate(missing))
 
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> list[tuple[int, int]] | None:
         """Give ``child_id`` the parent's first ``num_tokens`` tokens of KV: full blocks shared,
@@ -218,11 +278,11 @@ class KVCacheManager:
         table = []
         for b in parent[:full]:
             if b != RELEASED:
-                self.pool.touch(b)
+                self._touch(b)
             table.append(b)
         copies = []
         if partial:
-            (dst,) = self.pool.allocate(1)
+            (dst,) = self._allocate(1)
             copies.append((parent[full], dst))
             table.append(dst)
         self._tables[child_id] = table
@@ -243,7 +303,7 @@ class KVCacheManager:
         self._num_registered.pop(request_id, None)
         self._num_released.pop(request_id, None)
         if table:
-            self.pool.free([b for b in reversed(table) if b != RELEASED])  # tail first: leaves are evicted before roots
+            self._free([b for b in reversed(table) if b != RELEASED])  # tail first: leaves are evicted before roots
 
     def forget(self, request_id: str) -> None:
         """Drop everything about a request that has ended (its blocks and its cached block keys)."""
@@ -252,19 +312,16 @@ class KVCacheManager:
 
     def block_map(self) -> BlockMap:
         """Each block's state now, for the dashboard: O(blocks), a few hundred microseconds per thousand."""
-        cells = bytearray(self.pool.num_blocks)  # FREE
-        for b in self.pool.cached_free_blocks():
-            cells[b] = CACHED
-        ids = tuple(self._tables)
-        for i, table in enumerate(self._tables.values()):
-            code = min(OWNED + i, 255)
-            for b in table:
-                cells[b] = SHARED if self.pool.ref_count(b) > 1 else code
-        return BlockMap(bytes(cells), ids)
+        return pool_block_map(self.pool, {rid: [t] for rid, t in self._tables.items()})
 
     def check_invariants(self) -> None:
         """Pool consistency, and every owned block's ref count equals the tables that hold it."""
         self.pool.check_invariants()
+        check_ref_counts(self.pool, self.holders())
+        assert self.num_owned_blocks == self.pool.num_blocks - self.pool.num_free_blocks, "owned block count drifted"
+
+    def holders(self) -> dict[int, int]:
+        """Block -> how many of this manager's tables hold it (asserting each table is well formed)."""
         holders: dict[int, int] = {}
         for rid, table in self._tables.items():
             released, sinks = self._num_released.get(rid, 0), min(self.sink_blocks, len(table))
@@ -274,5 +331,24 @@ class KVCacheManager:
             assert RELEASED not in held and len(held) == len(set(held)), "a table holds a block twice"
             for b in held:
                 holders[b] = holders.get(b, 0) + 1
-        for b in range(self.pool.num_blocks):
-            assert self.pool.ref_count(b) == holders.get(b, 0), f"block {b}: ref count != tables holding it"
+        assert len(holders) == self.num_owned_blocks, "owned block count drifted"
+        return holders
+
+
+def pool_block_map(pool: BlockPool, tables: dict[str, list[list[int]]]) -> BlockMap:
+    """Each block's state, from every request's tables (one per KV group)."""
+    cells = bytearray(pool.num_blocks)  # FREE
+    for b in pool.cached_free_blocks():
+        cells[b] = CACHED
+    for i, request_tables in enumerate(tables.values()):
+        code = min(OWNED + i, 255)
+        for table in request_tables:
+            for b in table:
+                if b != RELEASED:
+                    cells[b] = SHARED if pool.ref_count(b) > 1 else code
+    return BlockMap(bytes(cells), tuple(tables))
+
+
+def check_ref_counts(pool: BlockPool, holders: dict[int, int]) -> None:
+    for b in range(pool.num_blocks):
+        assert pool.ref_count(b) == holders.get(b, 0), f"block {b}: ref count != tables holding it"

@@ -48,6 +48,9 @@ class PrometheusMetrics:
         self.waiting = Gauge(ns + "num_requests_waiting", "Requests waiting to run", **label).labels(model_name)
         self.kv_usage = Gauge(ns + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1)",
                               **label).labels(model_name)
+        self.kv_blocks = Gauge(ns + "kv_cache_blocks_in_use", "KV-cache blocks requests hold, by the kind of "
+                               "layers they serve (full attention, sliding window)",
+                               labelnames=["model_name", "kind"], registry=self.registry)
         # Cumulative engine counters, exported as the deltas between snapshots.
         self._counters = {
             field: Counter(ns + name, doc, **label).labels(model_name) for field, name, doc in (
@@ -75,7 +78,8 @@ class PrometheusMetrics:
         self.memory = {field: Gauge(ns + name, doc, **label).labels(model_name) for field, name, doc in (
             ("weight_bytes", "model_weight_bytes", "Bytes of the loaded model weights (after quantization)"),
             ("kv_bytes_per_token", "kv_cache_bytes_per_token", "KV-cache bytes per token, all layers"),
-            ("kv_cache_tokens", "kv_cache_capacity_tokens", "Tokens the KV cache holds"))}
+            ("kv_cache_tokens", "kv_cache_capacity_tokens", "Tokens the KV cache holds (every layer's KV kept)"),
+            ("kv_cache_blocks", "kv_cache_blocks", "Blocks in the KV pool"))}
         self._last = EngineSnapshot()
 
     # ---- MetricsSink ----------------------------------------------------------------------------
@@ -104,6 +108,8 @@ class PrometheusMetrics:
         self.running.set(snapshot.num_running)
         self.waiting.set(snapshot.num_waiting)
         self.kv_usage.set(snapshot.kv_cache_usage)
+        for kind, blocks in snapshot.kv_blocks_in_use.items():
+            self.kv_blocks.labels(self._model_name, kind).set(blocks)
         if new_preemptions > 0:
             self.preemptions.inc(new_preemptions)
         for field, counter in self._counters.items():

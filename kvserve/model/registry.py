@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.model.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from kvserve.model.models.gemma2 import Gemma2ForCausalLM
 from kvserve.model.models.gemma3 import Gemma3ForCausalLM
+from kvserve.model.models.gpt_oss import GptOssForCausalLM
 from kvserve.model.models.llama import LlamaForCausalLM
 from kvserve.model.models.mixtral import MixtralForCausalLM
 from kvserve.model.models.olmoe import OlmoeForCausalLM
@@ -14,8 +16,11 @@ from kvserve.model.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausal
 from kvserve.model.models.smollm3 import SmolLM3ForCausalLM
 
 _MODELS: dict[str, type[torch.nn.Module]] = {
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,

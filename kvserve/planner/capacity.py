@@ -15,7 +15,13 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
-from kvserve.kv_cache.sizing import kv_bytes_per_token, kv_capacity_tokens, max_window_blocks, mla_kv_bytes_per_token
+from kvserve.kv_cache.sizing import (
+    kv_bytes_per_token,
+    kv_capacity_tokens,
+    kv_num_groups,
+    max_window_blocks,
+    mla_kv_bytes_per_token,
+)
 from kvserve.planner.hardware import Hardware
 from kvserve.planner.shape import Inventory, ModelShape, inventory
 from kvserve.planner.weights import WeightBytes, canonical_dtype, kv_dtype_bytes, quant_scheme, weight_bytes
@@ -128,9 +134,20 @@ def kv_budget_bytes(setup: Setup) -> int:
     return total_memory(setup) - overhead_bytes(setup) - setup.weights.total
 
 
+def kv_groups_of(setup: Setup) -> int:
+    """KV groups the engine splits the layers into (kv_cache/groups.py): several when full and
+    sliding-window layers mix and the window layers are capped, else one."""
+    m = setup.model
+    sliding = m.num_sliding_layers if setup.cap_sliding_window and m.sliding_window else 0
+    if not 0 < sliding < m.num_layers:
+        return 1
+    return kv_num_groups([m.num_layers - sliding, sliding])
+
+
 def kv_capacity_tokens_of(setup: Setup) -> int:
     """Tokens the cache holds (all layers at full size), exactly as the engine computes it."""
-    return kv_capacity_tokens(max(kv_budget_bytes(setup), 0), setup.block_size, kv_bytes_per_token_of(setup))
+    return kv_capacity_tokens(max(kv_budget_bytes(setup), 0), setup.block_size, kv_bytes_per_token_of(setup),
+                              kv_groups_of(setup))
 
 
 def max_users(setup: Setup, context: int) -> int:

@@ -130,8 +130,9 @@ def _moe(cfg: dict[str, Any], num_layers: int) -> MoeShape | None:
             expert_intermediate_size=engine.expert_intermediate_size,
             shared_intermediate_size=engine.shared_intermediate_size,
             num_moe_layers=sum(engine.is_sparse(i) for i in range(num_layers)),
-            router_bias=False,
-            shared_gate=engine.shared_intermediate_size > 0,
+            # E values a layer: gpt-oss's bias on the logits, DeepSeek-V3's bias on the choice
+            router_bias=engine.router_bias or engine.scoring == "sigmoid",
+            shared_gate=engine.shared_intermediate_size > 0 and engine.shared_expert_gated,
         )
     experts = cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts")
     if not experts:

@@ -60,6 +60,13 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [B, V] -> the next token id of every row (and logprobs where asked)."""
+        tokens, logprobs = self.sample_on_device(logits, batch)
+        return SamplerOutput(tokens.tolist(), logprobs)
+
+    def sample_on_device(self, logits: torch.Tensor,
+                         batch: SamplingBatch) -> tuple[torch.Tensor, list[TokenLogprob | None] | None]:
+        """The next token ids [B] (int64) left on the logits' device, so that a next step can take its
+        input ids from them before the host reads them; logprobs (read now) where asked."""
         # The sampling and logprob kernels need no float copy of [B, V] (bf16 -> float32 is exact and
         # monotonic); penalties work on one, and the torch paths make their own.
         raw = logits.float() if any(p.needs_penalties for p in batch.params) else logits
@@ -68,13 +75,13 @@ class Sampler:
             adjusted = apply_bitmask(adjusted, batch.bitmask, batch.masked_rows)
         tokens = self._sample(adjusted, batch)
         if all(p.logprobs is None for p in batch.params):
-            return SamplerOutput(tokens.tolist())
-        return SamplerOutput(tokens.tolist(), token_logprobs(raw, tokens, [p.logprobs for p in batch.params]))
+            return tokens, None
+        return tokens, token_logprobs(raw, tokens, [p.logprobs for p in batch.params])
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Next token ids [B] (int64, on the CPU)."""
+        """Next token ids [B] (int64, on the logits' device)."""
         if batch.all_greedy:
-            return argmax_rows(logits).cpu()
+            return argmax_rows(logits)
         uniforms = self._uniforms(batch, logits.device)
         sampled = kernel_samples(logits, batch.params, uniforms)
         if sampled is not None:
@@ -82,7 +89,7 @@ class Sampler:
         greedy = argmax_rows(logits)
         sampled = sample_from_probs(filtered_probs(logits.float(), batch.params), uniforms)
         is_greedy = torch.tensor([p.greedy for p in batch.params], device=logits.device)
-        return torch.where(is_greedy, greedy, sampled).cpu()
+        return torch.where(is_greedy, greedy, sampled)
 
     def _uniforms(self, batch: SamplingBatch, device: torch.device) -> torch.Tensor:
         """One U[0, 1) number per row on ``device``: unseeded rows from the sampler's generator there;

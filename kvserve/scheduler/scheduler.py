@@ -62,30 +62,34 @@ class Scheduler:
         out = SchedulerOutput()
         self._num_schedules += 1
         budget = self.config.max_num_batched_tokens
-        self.running.sort(key=order_key)  # highest priority first; preemption takes from the back
         budget = self._schedule_running(out, budget)
         if not out.preempted_ids:  # admitting while evicting would only thrash
             self._schedule_waiting(out, budget)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            spec = self._fit_proposals(request, budget - num_new)
+        # Every running request passes here every step: the loop reads each value once (this is
+        # most of a large decode batch's host time).
+        i, running, scheduled = 0, self.running, out.scheduled
+        while i < len(running) and budget > 0:
+            request = running[i]
+            if request.num_pending and request.num_output_tokens >= request.sampling_params.max_tokens:
+                i += 1  # its last token is still on the device: it ends when that is read, computing nothing more
+                continue
+            num_tokens = request.num_tokens
+            num_new = min(num_tokens - request.num_computed_tokens, budget)
+            spec = self._fit_proposals(request, num_tokens, budget - num_new) if request.spec_token_ids else []
             if not self._make_room(request, num_new + len(spec), out):
                 break  # the request preempted itself: it was the last in line
-            out.scheduled.append(self._scheduled(request, num_new, spec))
-            num_new += len(spec)
-            budget -= num_new
+            scheduled.append(self._scheduled(request, num_new, spec, num_tokens))
+            budget -= num_new + len(spec)
             i += 1
         return budget
 
     @staticmethod
-    def _fit_proposals(request: Request, budget_left: int) -> list[int]:
+    def _fit_proposals(request: Request, num_tokens: int, budget_left: int) -> list[int]:
         """A decoding request's proposals, cut to the token budget (they are verified in its slot)."""
-        if not request.spec_token_ids or request.num_computed_tokens != request.num_tokens - 1:
+        if not request.spec_token_ids or request.num_computed_tokens != num_tokens - 1:
             return []
         return request.spec_token_ids[:max(0, budget_left)]
 
@@ -113,7 +117,7 @@ class Scheduler:
             return  # most decode steps: nothing below (in-flight blocks, first tokens) is needed
         # Held back this step: fork followers whose sibling has not computed the shared prompt yet,
         # and requests whose next uncached block another request is computing (next step it is a hit).
-        deferred = []
+        deferred, admitted = [], False
         in_flight = self._in_flight_blocks()
         first_tokens = any(_is_first_token(s) for s in out.scheduled)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -134,6 +138,7 @@ class Scheduler:
             self.policy.admitted(self.waiting, request, num_new)
             self.waiting.remove(request)
             self.running.append(request)
+            admitted = True
             request.status = RequestStatus.RUNNING
             out.scheduled.append(self._scheduled(request, num_new))
             first_tokens = first_tokens or _is_first_token(out.scheduled[-1])
@@ -141,6 +146,8 @@ class Scheduler:
             in_flight.update(self.kv_cache.uncached_keys(request, request.num_computed_tokens // self.kv_cache.block_size))
         for request in deferred:
             self.waiting.add(request)
+        if admitted:  # highest priority first (preemption takes from the back); only admissions unsort it
+            self.running.sort(key=order_key)
 
     def _in_flight_blocks(self) -> set[int]:
         """Block hashes that running requests are still prefilling."""
@@ -207,32 +214,50 @@ class Scheduler:
             request.num_cached_tokens = cached
         return num_new
 
-    def _scheduled(self, request: Request, num_new: int, spec: list[int] | None = None) -> ScheduledRequest:
+    def _scheduled(self, request: Request, num_new: int, spec: list[int] | None = None,
+                   num_tokens: int | None = None) -> ScheduledRequest:
         start = request.num_computed_tokens
-        tokens = request.token_slice(start, start + num_new) + (spec or [])
+        num_tokens = request.num_tokens if num_tokens is None else num_tokens
+        tokens = request.token_slice(start, start + num_new)
+        if spec:
+            tokens += spec
+        tables = self.kv_cache.block_tables(request.request_id)  # the live lists: read them this step only
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=tokens,
             start_pos=start,
-            block_table=self.kv_cache.block_table(request.request_id),  # the live list: read it this step only
-            sample=start + num_new == request.num_tokens,
+            block_table=tables[0],
+            group_block_tables=tuple(tables[1:]),
+            sample=start + num_new == num_tokens,
             sampling_params=request.sampling_params,
-            num_generated=len(request.output_token_ids),
+            num_generated=num_tokens - len(request.prompt_token_ids),
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
-            spec_token_ids=list(spec or []),
+            spec_token_ids=list(spec) if spec else [],
             spec_probs=None if not spec or request.spec_probs is None else request.spec_probs[:len(spec)],
             grammar=request.grammar,
         )
 
     def update_after_step(self, out: SchedulerOutput, num_accepted: dict[str, int] | None = None) -> None:
-        """Advance the counters of every request that ran. A verified request keeps the KV of its last
-        token and its accepted proposals; the slots of rejected ones are simply overwritten later."""
+        """Advance the counters of every request that ran, then publish their KV (``advance``, ``commit``)."""
+        self.advance(out, num_accepted)
+        self.commit(out)
+
+    def advance(self, out: SchedulerOutput, num_accepted: dict[str, int] | None = None) -> None:
+        """Count the step's tokens as computed. A verified request keeps the KV of its last token and
+        its accepted proposals; the slots of rejected ones are simply overwritten later."""
         for s in out.scheduled:
             request = self.requests.get(s.request_id)
             if request is not None:
                 rejected = len(s.spec_token_ids) - (num_accepted or {}).get(s.request_id, 0)
                 request.num_computed_tokens += len(s.token_ids) - rejected
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """Publish the step's newly full blocks in the prefix cache (hashed by content: every token they
+        hold must be known by now) and release the blocks behind a sliding window."""
+        for s in out.scheduled:
+            request = self.requests.get(s.request_id)
+            if request is not None:
                 self.kv_cache.commit_computed(request)
 
 

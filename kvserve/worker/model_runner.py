@@ -5,14 +5,20 @@ Owns the device state: the model, the KV-cache tensors, the attention backend an
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.kv_cache.groups import KVLayout, single_layout
 from kvserve.model.attention.backend import AttentionBackend, AttentionMetadata
+from kvserve.model.attention.mla import allocate_latent_cache
 from kvserve.model.models.llama_decode import build_fused_decoder
+from kvserve.request import PLACEHOLDER
+from kvserve.sample.device_tokens import SampledTokens, fill_placeholders
 from kvserve.sample.grammar import MaskFiller, MaskRequest, apply_bitmask
 from kvserve.sample.rejection import accept_proposals
 from kvserve.sample.sampler import Sampler, SamplingBatch, scored_logprobs
@@ -20,6 +26,8 @@ from kvserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from kvserve.types import TokenLogprob
 from kvserve.worker.block_tables import BlockTableRows
 from kvserve.worker.cuda_graphs import capture_decode_graphs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -32,41 +40,71 @@ class RunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
     # Speculative requests: the tokens verification emitted (accepted proposals + one from the target).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # execute(defer=True): the sampled ids, still on the device; token_ids stays empty until read.
+    pending: SampledTokens | None = None
+
+
+def allocate_kv_caches(backend: AttentionBackend, config: ModelConfig, num_blocks: int, block_size: int,
+                       dtype: torch.dtype, device: torch.device, count: int | None = None) -> list[torch.Tensor]:
+    """``count`` paged caches (default: one per layer): the backend's K/V layout, or for latent
+    attention (MLA) one latent row per token (attention/mla.py), the layout
+    ``sizing.mla_kv_bytes_per_token`` counts."""
+    count = config.num_layers if count is None else count
+    if config.mla is not None:
+        return [allocate_latent_cache(num_blocks, block_size, config.mla.latent_width, dtype, device)
+                for _ in range(count)]
+    return [backend.allocate_kv_cache(num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype, device)
+            for _ in range(count)]
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, backend: AttentionBackend, num_blocks: int,
                  block_size: int, kv_dtype: torch.dtype, device: torch.device, seed: int = 0,
-                 cuda_graphs: tuple[int, int] | None = None) -> None:
-        """``cuda_graphs`` = (max batch, max model length): capture decode steps on CUDA for up to that."""
+                 cuda_graphs: tuple[int, int] | None = None, kv_layout: KVLayout | None = None) -> None:
+        """``cuda_graphs`` = (max batch, max model length): capture decode steps on CUDA for up to that.
+        ``kv_layout``: the KV groups (kv_cache/groups.py); by default one group of every layer."""
         self.model, self.config, self.backend = model, config, backend
         self.block_size, self.device = block_size, device
-        self.kv_caches = [
-            backend.allocate_kv_cache(num_blocks, block_size, config.num_kv_heads, config.head_dim, kv_dtype, device)
-            for _ in range(config.num_layers)
-        ]
+        self.kv_layout = kv_layout or single_layout(config.num_layers)
+        # one tensor per slot of a block; a hybrid model's groups share them, each using its own blocks
+        self.kv_tensors = allocate_kv_caches(backend, config, num_blocks, block_size, kv_dtype, device,
+                                             self.kv_layout.layers_per_block)
+        self.kv_caches = [self.kv_tensors[slot] for slot in self.kv_layout.slot_of_layer()]  # by layer
+        self.group_table_rows = [BlockTableRows() for _ in self.kv_layout.groups[1:]]
+        if self.kv_layout.is_hybrid:
+            if not hasattr(model, "use_kv_groups"):
+                raise ValueError(f"{config.architecture} cannot read per-group KV block tables (hybrid KV cache)")
+            model.use_kv_groups(self.kv_layout.group_of_layer())
         self.sampler = Sampler(seed)
         self.mask_filler: MaskFiller | None = None  # structured outputs: started with the first constrained request
         self.block_table_rows = BlockTableRows()
         # Pure decode steps in one C++ call where the model and backend allow (bitwise the same result).
         self.fused_decoder = self._build_fused_decoder()
         self.decode_graphs = None
-        # (soft-capped attention takes a path with host values: nothing to capture)
-        if (cuda_graphs is not None and device.type == "cuda" and backend.supports_cuda_graphs
-                and config.attn_logit_softcap is None):
+        # (soft-capped attention and MLA's take paths with host values: nothing to capture)
+        if cuda_graphs is not None and self.kv_layout.is_hybrid:
+            log.info("hybrid KV groups: decode steps run eagerly (the graphs hold one block table per step)")
+        elif (cuda_graphs is not None and device.type == "cuda" and backend.supports_cuda_graphs
+                and config.attn_logit_softcap is None and config.mla is None):
             self.decode_graphs = capture_decode_graphs(self._eager_forward, *cuda_graphs, block_size, device)
 
     def _build_fused_decoder(self):
         return build_fused_decoder(self.model, self.kv_caches, self.backend.fused_cache_kind(self.device))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """Run the step; sample the next token of every request whose chunk ends its known tokens."""
+    def execute(self, out: SchedulerOutput, previous: SampledTokens | None = None, defer: bool = False) -> RunnerOutput:
+        """Run the step; sample the next token of every request whose chunk ends its known tokens.
+
+        Async scheduling: a PLACEHOLDER input id is the token ``previous`` sampled for that request,
+        taken from the device; ``defer`` leaves this step's sampled ids there too (``pending``)."""
         batch = out.scheduled
         if out.block_copies:
             self._copy_blocks(out.block_copies)
         mask_rows, masks = self._start_masks(batch)  # filled on a worker thread during the forward pass
+        placeholders = previous is not None and _point_placeholders(batch, previous.rows)
         input_ids, positions, meta = self._prepare(batch)
+        if placeholders:
+            input_ids = fill_placeholders(input_ids, previous.token_ids)
         hidden = self._forward(input_ids, positions, meta, _verify_only(batch))
         bitmask = masks.result() if masks is not None else None
         result = RunnerOutput(prompt_logprobs=self._prompt_logprobs(batch, hidden, meta))
@@ -84,10 +122,13 @@ class ModelRunner:
             sampling.masked_rows = [j for j, i in enumerate(rows) if i in mask_rows]
             if sampling.masked_rows:
                 sampling.bitmask = bitmask[[mask_rows[rows[j]] for j in sampling.masked_rows]]
-        sampled = self.sampler(logits, sampling)
-        result.token_ids = {s.request_id: tok for s, tok in zip(chosen, sampled.token_ids)}
-        if sampled.logprobs is not None:
-            result.logprobs = {s.request_id: lp for s, lp in zip(chosen, sampled.logprobs) if lp is not None}
+        tokens, logprobs = self.sampler.sample_on_device(logits, sampling)
+        if defer:
+            result.pending = SampledTokens(tokens, [s.request_id for s in chosen])
+        else:
+            result.token_ids = dict(zip([s.request_id for s in chosen], tokens.tolist()))
+        if logprobs is not None:
+            result.logprobs = {s.request_id: lp for s, lp in zip(chosen, logprobs) if lp is not None}
         return result
 
     @torch.inference_mode()
@@ -176,7 +217,7 @@ class ModelRunner:
         """Copy-on-write for forks: duplicate a partly filled block before the child writes to it."""
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        for cache in self.kv_caches:
+        for cache in self.kv_tensors:
             cache[:, dst] = cache[:, src]
 
     def _prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -195,7 +236,7 @@ class ModelRunner:
         seq_of_token = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(lens))
         starts = torch.tensor([s.start_pos for s in batch], dtype=torch.long)
         offsets = torch.arange(query_start[-1]) - torch.tensor(query_start[:-1])[seq_of_token]
-        positions = starts[seq_of_token] + offsets
+        positions = positions_host = starts[seq_of_token] + offsets
         block_tables = self._block_tables(batch)
         slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
         decode_seqs = [i for i, n in enumerate(lens) if n == 1]
@@ -220,6 +261,8 @@ class ModelRunner:
             decode_seq_lens=decode_seq_lens,
             block_size=bs,
         )
+        if self.group_table_rows:
+            meta.group_metas = self._group_metas(meta, batch, seq_of_token, positions_host, decode_seqs, decode_width)
         return input_ids, positions, meta
 
     def _prepare_decode(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -240,6 +283,9 @@ class ModelRunner:
                                  block_tables=block_tables, seq_lens_t=seq_lens_t, decode_seqs=list(range(n)),
                                  prefill_seqs=[], decode_token_index=token_index, decode_block_tables=decode_tables,
                                  decode_seq_lens=seq_lens_t, block_size=bs)
+        if self.group_table_rows:
+            meta.group_metas = self._group_metas(meta, batch, torch.arange(n), torch.tensor(positions, dtype=torch.long),
+                                                 list(range(n)), decode_width)
         return input_ids, positions_t, meta
 
     def _block_tables(self, batch: list[ScheduledRequest]) -> torch.Tensor:
@@ -247,6 +293,31 @@ class ModelRunner:
         width = max(len(s.block_table) for s in batch)
         return torch.from_numpy(self.block_table_rows.gather([s.request_id for s in batch],
                                                              [s.block_table for s in batch], width))
+
+    def _group_metas(self, meta: AttentionMetadata, batch: list[ScheduledRequest], seq_of_token: torch.Tensor,
+                     positions: torch.Tensor, decode_seqs: list[int], decode_width: int) -> tuple[AttentionMetadata, ...]:
+        """``meta`` for each KV group after the first: the same batch through that group's tables
+        (host ``seq_of_token`` and ``positions``, one per token)."""
+        bs, ids, host = self.block_size, [s.request_id for s in batch], []
+        for j, rows in enumerate(self.group_table_rows):
+            tables = [s.group_block_tables[j] for s in batch]
+            block_tables = torch.from_numpy(rows.gather(ids, tables, max(len(t) for t in tables)))
+            slots = block_tables[seq_of_token, positions // bs] * bs + positions % bs
+            host += [slots, block_tables, block_tables[decode_seqs, :decode_width]]
+        parts = _to_device(host, self.device)  # one copy for every group
+        return tuple(dataclasses.replace(meta, slot_mapping=slots, block_tables=tables, decode_block_tables=decode)
+                     for slots, tables, decode in zip(parts[0::3], parts[1::3], parts[2::3]))
+
+
+def _point_placeholders(batch: list[ScheduledRequest], rows: dict[str, int]) -> bool:
+    """Point each PLACEHOLDER input id at its row of the previous step's sampled ids (as -1 - row, for
+    ``fill_placeholders``); whether there was any. Only a decode's one input can be pending."""
+    found = False
+    for s in batch:
+        if s.token_ids[-1] <= PLACEHOLDER:  # (already pointed when a failed step is rerun request by request)
+            s.token_ids[-1] = -1 - rows[s.request_id]
+            found = True
+    return found
 
 
 def _verify_only(batch: list[ScheduledRequest]) -> bool:

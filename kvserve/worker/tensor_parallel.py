@@ -37,7 +37,7 @@ from kvserve.model.attention.backend import AttentionBackend, AttentionMetadata,
 from kvserve.model.loader import load_model
 from kvserve.model.sharding import TensorShard, install_all_reduce
 from kvserve.runtime.threads import available_cpus
-from kvserve.worker.model_runner import ModelRunner
+from kvserve.worker.model_runner import ModelRunner, allocate_kv_caches
 
 log = logging.getLogger(__name__)
 
@@ -233,9 +233,7 @@ class _ShardWorker:
                                    config.quant.group_size, config.scheduler.max_model_len, shard=shard)
         cfg: ModelConfig = self.model.config
         self.backend = get_backend(self.device, config.cache.kv_cache_dtype, config.attention_backend)
-        self.kv_caches = [self.backend.allocate_kv_cache(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                                         config.torch_dtype, self.device)
-                          for _ in range(cfg.num_layers)]
+        self.kv_caches = allocate_kv_caches(self.backend, cfg, num_blocks, block_size, config.torch_dtype, self.device)
         self.store_path, self.rank, self.world_size = store_path, rank, config.tensor_parallel_size
 
     def join_group(self) -> None:

@@ -40,6 +40,24 @@ def test_bench_roofline_report(tiny_llama, tmp_path, capsys):
     assert "<td>round 2</td>" in page and "Batched" in page and "Single stream" in page
 
 
+def test_bench_roofline_shipped(tiny_llama, tmp_path, capsys):
+    """--shipped: single streams of the quantized model, bounded by the bytes that engine keeps."""
+    out = tmp_path / "roofline"
+    printed = _run(["bench", "roofline", "--model", str(tiny_llama), "--dtype", "float32", "--prompt-len", "8",
+                    "--single-output-len", "8", "--single-rounds", "2", "--output-len", "4", "--batch-sizes", "1",
+                    "--copy-mib", "8", "--measure-seconds", "0.05", "--shipped", "--shipped-quantization", "int8",
+                    "--json", "--report", str(out)], capsys)
+    page, saved = check_report(out, ("single.png", "batched.png", "flops.png"))
+    shipped = printed["shipped"]
+    assert saved == printed and "int8" in shipped["quantization"] and len(shipped["single_stream_rounds"]) == 2
+    # int8 weights: about a quarter of float32's bytes per step (the KV and norms stay as they were)
+    dense, quantized = printed["single_stream"]["bytes_per_step"], shipped["single_stream"]["bytes_per_step"]
+    assert 0.2 * dense < quantized < 0.5 * dense
+    mid = shipped["single_stream"]
+    assert abs(mid["bound_tokens_per_s"] - mid["bandwidth"] / quantized) < 1e-6 * mid["bound_tokens_per_s"]
+    assert shipped["over_dense_single_stream"] > 0 and "Single stream as shipped" in page
+
+
 def test_a_page_escapes_what_it_shows(tmp_path):
     path = write_page(Page("t <b>", "d & e", [Table(("a", "b"), [("<script>", 1)])], [], {"x": 1}), tmp_path)
     page = path.read_text()

@@ -65,7 +65,7 @@ def test_block_matches_transformers(case, dtype):
     x = torch.randn(1, 40, HIDDEN, dtype=dtype)
     with torch.no_grad():
         _, hf_weights, hf_ids = hf.gate(x[0])
-        weights, ids = route(ours.gate(x[0]), moe.experts_per_token, moe.renormalize, moe.float32_weights)
+        weights, ids = route(ours.gate(x[0]), moe)
         assert torch.equal(ids, hf_ids)
         assert weights.dtype == hf_weights.dtype
         torch.testing.assert_close(weights, hf_weights, rtol=0, atol=0)
@@ -90,7 +90,7 @@ def test_each_active_expert_runs_once_per_forward():
         expert.register_forward_pre_hook(hook)
     x = torch.randn(32, HIDDEN)  # a decode step at batch 32
     with torch.no_grad():
-        _, ids = route(block.gate(x), 2, False, False)
+        _, ids = route(block.gate(x), moe)
         block(x)
     chosen = torch.bincount(ids.flatten(), minlength=moe.num_experts).tolist()
     assert rows == chosen  # every (token, expert) pair went to its expert
@@ -109,3 +109,60 @@ def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers():
     assert MoeConfig.from_hf(cfg, "LlamaForCausalLM", 6) is None
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         MoeConfig.from_hf({**cfg, "num_experts_per_tok": 5}, "Qwen3MoeForCausalLM", 6)
+
+
+DEEPSEEK_ROUTERS = {
+    "v2_greedy": ("deepseek_v2", dict(topk_method="greedy", routed_scaling_factor=1.5)),
+    "v2_group_limited": ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                             routed_scaling_factor=16.0)),
+    "v3": ("deepseek_v3", dict(n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DEEPSEEK_ROUTERS))
+def test_deepseek_routing_matches_transformers(case):
+    """Group-limited top k (by each group's best expert, or V3's two best biased scores), scaled weights."""
+    from transformers import AutoConfig
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    model_type, overrides = DEEPSEEK_ROUTERS[case]
+    hf_cfg = AutoConfig.for_model(model_type, hidden_size=HIDDEN, n_routed_experts=16, num_experts_per_tok=3,
+                                  moe_intermediate_size=8, first_k_dense_replace=0, **overrides)
+    arch = "DeepseekV3ForCausalLM" if model_type == "deepseek_v3" else "DeepseekV2ForCausalLM"
+    moe = MoeConfig.from_hf(hf_cfg.to_dict(), arch, 1)
+    torch.manual_seed(2)
+    hf = (DeepseekV3TopkRouter if model_type == "deepseek_v3" else DeepseekV2TopkRouter)(hf_cfg)
+    with torch.no_grad():
+        hf.weight.normal_(0, 0.5)
+        bias = None
+        if model_type == "deepseek_v3":
+            bias = hf.e_score_correction_bias.normal_(0, 0.3)
+        x = torch.randn(64, HIDDEN)
+        _, hf_weights, hf_ids = hf(x)
+        weights, ids = route(x @ hf.weight.T, moe, bias)
+    order, hf_order = ids.argsort(dim=-1), hf_ids.argsort(dim=-1)  # transformers leaves the top k unsorted
+    assert torch.equal(ids.gather(1, order), hf_ids.gather(1, hf_order))
+    torch.testing.assert_close(weights.gather(1, order), hf_weights.gather(1, hf_order), rtol=0, atol=0)
+    if model_type == "deepseek_v2" and moe.num_groups > 1:  # the group limit really changed some choices
+        assert not torch.equal(ids.sort(-1).values, torch.softmax(x @ hf.weight.T, -1).topk(3).indices.sort(-1).values)
+
+
+def test_deepseek_sparse_layers_and_experts_from_config():
+    cfg = {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_shared_experts": 2,
+           "first_k_dense_replace": 1, "moe_layer_freq": 2}
+    moe = MoeConfig.from_hf(cfg, "DeepseekV2ForCausalLM", 5)
+    assert moe.sparse_layers == (False, False, True, False, True)
+    assert moe.shared_intermediate_size == 32 and not moe.shared_expert_gated and moe.float32_weights
+    # DeepSeek's own V2 code renormalises instead of scaling; V3 does both
+    v2_norm = MoeConfig.from_hf({**cfg, "norm_topk_prob": True, "routed_scaling_factor": 16.0},
+                                "DeepseekV2ForCausalLM", 5)
+    assert v2_norm.renormalize and v2_norm.routed_scaling_factor == 1.0
+    v3 = MoeConfig.from_hf({**cfg, "norm_topk_prob": True, "routed_scaling_factor": 2.5}, "DeepseekV3ForCausalLM", 5)
+    assert v3.renormalize and v3.routed_scaling_factor == 2.5 and v3.scoring == "sigmoid"
+    with pytest.raises(ValueError, match="topk_method"):
+        MoeConfig.from_hf({**cfg, "topk_method": "noaux_tc"}, "DeepseekV2ForCausalLM", 5)
+    with pytest.raises(ValueError, match="n_group"):
+        MoeConfig.from_hf({**cfg, "topk_method": "group_limited_greedy", "n_group": 3}, "DeepseekV2ForCausalLM", 5)
+    with pytest.raises(ValueError, match="scoring"):
+        MoeConfig(8, 2, 16, scoring="sparsemixer")

@@ -37,6 +37,12 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor  # [len(decode_seqs)] int64
     block_size: int
     query_start_t: torch.Tensor | None = None  # [num_seqs + 1] int64 on device; built on first use if None
+    # A hybrid model's KV groups 1..: the same batch with those groups' slots and block tables
+    group_metas: tuple[AttentionMetadata, ...] = ()
+
+    def of_group(self, group: int) -> AttentionMetadata:
+        """The metadata a layer of KV group ``group`` reads (group 0: this one)."""
+        return self.group_metas[group - 1] if group else self
 
     @property
     def max_query_len(self) -> int:
@@ -61,13 +67,16 @@ class AttentionBackend(Protocol):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
         window: int | None = None, softcap: float | None = None, sinks: int = 0, sink_q: torch.Tensor | None = None,
+        sink_logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Writes k, v into the cache and returns causal attention of q over each sequence's cached
         tokens; with ``window``, query position p sees only positions (p - window, p] (a sliding
         window, as transformers applies it), so KV before a sequence's window is never read. With
         ``softcap`` (Gemma 2) the scaled scores s become softcap * tanh(s / softcap) before the softmax.
         With ``sinks`` (attention sinks, the torch backend only) p also sees positions [0, sinks),
-        scored with ``sink_q`` (the queries rotated to the cache's last place) once p >= sinks + window."""
+        scored with ``sink_q`` (the queries rotated to the cache's last place) once p >= sinks + window.
+        ``sink_logits`` [Hq] (gpt-oss's learned sinks, unrelated to ``sinks``): head h's softmax
+        denominator gains exp(sink_logits[h]), a key with no value, so its weights sum to under 1."""
 
     def fused_cache_kind(self, device: torch.device) -> int | None:
         """The paged-cache kind a fused C++ decode step may read and write directly, or None."""

@@ -12,8 +12,9 @@ run one sequence at a time through SDPA, reading the cached prefix only when the
 (dequantizing the gathered blocks for a quantized cache).
 A sliding window is a start position per sequence for the C++ kernels; on the SDPA paths it reads
 only the blocks from the window's start and masks the positions before it. Soft-capped scores
-(Gemma 2) take a plain PyTorch path, one sequence at a time (neither SDPA nor the kernels cap), and
-so do attention sinks, whose sink keys are scored with queries of their own.
+(Gemma 2) and learned sink logits (gpt-oss) take a plain PyTorch path, one sequence at a time
+(neither SDPA nor the kernels cap or add a sink to the softmax), and so do StreamingLLM's attention
+sinks, whose sink keys are scored with queries of their own.
 """
 
 from __future__ import annotations
@@ -61,14 +62,19 @@ class TorchAttentionBackend:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
         window: int | None = None, softcap: float | None = None, sinks: int = 0, sink_q: torch.Tensor | None = None,
+        sink_logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]. Writes k, v into the cache, returns [T, Hq, D]; with
-        ``window``, position p attends to positions (p - window, p] only; ``softcap``, ``sinks``: see backend.py."""
+        ``window``, position p attends to positions (p - window, p] only; ``softcap``, ``sinks``,
+        ``sink_logits``: see backend.py."""
         self._write(k, v, kv_cache, meta)
         if sinks:
+            if sink_logits is not None:
+                raise ValueError("attention_sinks (StreamingLLM) cannot be combined with a model's learned "
+                                 "sink logits")
             return self._with_sinks(q, sink_q, kv_cache, meta, scale, window, sinks)
-        if softcap is not None:
-            return self._softcapped(q, kv_cache, meta, scale, window, softcap)
+        if softcap is not None or sink_logits is not None:  # neither SDPA nor the C++ kernels do these
+            return self._eager(q, kv_cache, meta, scale, window, softcap, sink_logits)
         if not meta.prefill_seqs:  # a pure decode step (the common one): every row is a sequence's query
             return self._decode(q, kv_cache, meta, scale, window)
         out = torch.empty_like(q)
@@ -170,10 +176,11 @@ class TorchAttentionBackend:
         return out[0].transpose(0, 1)
 
 
-    def _softcapped(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    window: int | None, softcap: float) -> torch.Tensor:
+    def _eager(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+               window: int | None, softcap: float | None, sink_logits: torch.Tensor | None) -> torch.Tensor:
         """Every sequence's rows as transformers' eager attention computes them: scores scaled, capped,
-        masked, a float32 softmax cast back to the query dtype, times the values."""
+        masked, a float32 softmax (over the keys and, with ``sink_logits``, a valueless sink per head)
+        cast back to the query dtype, times the values."""
         out = torch.empty_like(q)
         bs = meta.block_size
         for i in range(meta.num_seqs):
@@ -187,9 +194,15 @@ class TorchAttentionBackend:
             group = q.shape[1] // keys.shape[0]
             keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)  # [Hq, L, D]
             scores = torch.matmul(q[start:end].transpose(0, 1), keys.transpose(1, 2)) * scale  # [Hq, n, L]
-            scores = torch.tanh(scores / softcap) * softcap
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
             mask = _causal_mask(torch.arange(seq_len - num_new, seq_len, device=q.device), key_pos, window)
-            probs = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
+            scores = scores.masked_fill(~mask, float("-inf"))
+            if sink_logits is not None:  # the sink joins the denominator and is dropped: it has no value
+                sink = sink_logits.to(scores.dtype)[:, None, None].expand(-1, num_new, 1)
+                probs = torch.cat((scores, sink), dim=-1).softmax(-1, dtype=torch.float32)[..., :-1].to(q.dtype)
+            else:
+                probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
             out[start:end] = torch.matmul(probs, values).transpose(0, 1)
         return out
 

@@ -52,12 +52,13 @@ def _store_kv(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
 
 @triton.jit
 def _paged_attention(
-    out_ptr, q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+    out_ptr, q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, sink_ptr,
     scale,
     q_stride_t, q_stride_h, out_stride_t, out_stride_h,
     cache_stride_block, cache_stride_tok, cache_stride_head, table_stride,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     TOKENS: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -82,6 +83,9 @@ def _paged_attention(
         # A finite start for the running max: fully masked rows (padding) stay at 0 instead of NaN.
         m_i = tl.full([ROWS], -1.0e30, tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
+        if SINKS:  # a learned sink logit per head: the softmax starts with it as a key with no value
+            m_i = tl.load(sink_ptr + head, mask=row_ok, other=-1.0e30).to(tl.float32)
+            l_i = tl.where(row_ok, 1.0, 0.0)
         acc = tl.zeros([ROWS, DIM_PAD], tl.float32)
         cols = tl.arange(0, TILE)
         kv_begin = 0
@@ -132,9 +136,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start: torch.Tensor, max_query_len: int, scale: float,
-                    out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, window: int | None = None,
+                    sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the flat queries q [T, Hq, D] over each sequence's cached keys (with
-    ``window``, position p sees positions (p - window, p] only).
+    ``window``, position p sees positions (p - window, p] only; with ``sink_logits`` [Hq], each
+    head's softmax denominator also counts exp(sink), backend.py).
 
     Sequence i owns query rows ``query_start[i]:query_start[i + 1]``, the last of its
     ``seq_lens[i]`` cached tokens; ``block_tables`` [num_seqs, width] maps its positions to blocks.
@@ -154,7 +160,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     grid = (num_seqs, triton.cdiv(max_query_len, tokens), num_kv_heads)
     _paged_attention[grid](
-        out, q, key_cache, value_cache, block_tables, seq_lens, query_start, scale,
+        out, q, key_cache, value_cache, block_tables, seq_lens, query_start,
+        q if sink_logits is None else sink_logits, scale,  # q: a placeholder pointer the kernel never reads
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, DIM_PAD=_pow2(head_dim),
@@ -162,7 +169,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         # float32 products in full precision (Triton's default for them is TF32, ~1e-3 relative):
         # a float32 model must match its float32 reference.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        WINDOW=window or 0,
+        WINDOW=window or 0, SINKS=sink_logits is not None,
     )
     return out
 
@@ -186,13 +193,14 @@ class TritonAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]. Writes k, v into the cache, returns [T, Hq, D]."""
         if softcap is not None:  # soft-capped scores (Gemma 2): the reference path, which reads the host lists
-            return self._reference.forward(q, k, v, kv_cache, meta, scale, window=window, softcap=softcap)
+            return self._reference.forward(q, k, v, kv_cache, meta, scale, window=window, softcap=softcap,
+                                           sink_logits=sink_logits)
         store_kv(k, v, kv_cache, meta.slot_mapping)
         return paged_attention(q, kv_cache, meta.block_tables, meta.seq_lens_t, meta.query_start_device(),
-                               meta.max_query_len, scale, window=window)
+                               meta.max_query_len, scale, window=window, sink_logits=sink_logits)
 
 
 @register_backend("cuda")

@@ -60,7 +60,10 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int, max_position: int = 0) 
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
         return _llama3_scaling(inv_freq, rope)
-    raise ValueError(f"rope_type={rope.rope_type!r} is not supported; supported: default, linear, llama3, longrope")
+    if rope.rope_type == "yarn":
+        return _yarn_scaling(rope.theta**exponent, rope, dims)
+    raise ValueError(f"rope_type={rope.rope_type!r} is not supported; supported: default, linear, llama3, longrope, "
+                     "yarn")
 
 
 def _llama3_scaling(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
@@ -73,6 +76,26 @@ def _llama3_scaling(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
     is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(is_medium, blended, scaled)
+
+
+def _yarn_scaling(powers: torch.Tensor, rope: RopeConfig, dims: int) -> torch.Tensor:
+    """YaRN: pair i (``powers[i]`` = theta ** (2i / dims), its unscaled frequency's inverse) keeps its
+    frequency if it turns more than ``beta_fast`` times over the original context, is divided by
+    ``factor`` if fewer than ``beta_slow``, and blends linearly in between (by pair index). Its gain
+    on cos/sin is ``rope.attention_factor`` (config.py)."""
+
+    def pair_of(turns: float) -> float:  # the (fractional) pair index that turns ``turns`` times
+        return dims * math.log(rope.original_max_position / (turns * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = pair_of(rope.beta_fast), pair_of(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
+    if low == high:
+        high += 0.001  # a step, not a division by zero
+    ramp = ((torch.arange(dims // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # written as transformers computes it, so a float32 model's table matches bit for bit
+    return 1.0 / (rope.factor * powers) * (1 - kept) + 1.0 / powers * kept
 
 
 class RotaryEmbedding(torch.nn.Module):

@@ -103,6 +103,12 @@ class Gemma2ForCausalLM(torch.nn.Module):
     def rotary_of(self, layer: int) -> RotaryEmbedding:
         return self.rotary
 
+    def use_kv_groups(self, group_of_layer: list[int]) -> None:
+        """Read each layer's KV through its group's block tables (a hybrid KV cache: the runner's
+        kv_cache/groups.py layout keeps the local layers' KV to their window)."""
+        for layer, group in zip(self.model.layers, group_of_layer, strict=True):
+            layer.self_attn.kv_group = group
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         x, residual = self.model.embed_tokens(input_ids) * self.embed_scale, None
@@ -117,9 +123,9 @@ class Gemma2ForCausalLM(torch.nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """HF names, as Llama's; every RMSNorm weight w is stored as 1 + w (see the module doc)."""
-        load_checkpoint(self, weights, skip=("lm_head.",) if self.lm_head is None else ())
-        with torch.no_grad():
-            for module in self.modules():
-                if isinstance(module, RMSNorm):
-                    module.weight.add_(1.0)
+        """HF names and values, as Llama's; every RMSNorm weight w is stored as 1 + w (see the
+        module doc), added in float64 before rounding to the model dtype (a GGUF file's 1 + w,
+        which gguf_file hands out as w in float64, comes back exactly)."""
+        norms = {f"{name}.weight" for name, module in self.named_modules() if isinstance(module, RMSNorm)}
+        shifted = ((name, tensor.double() + 1.0 if name in norms else tensor) for name, tensor in weights)
+        load_checkpoint(self, shifted, skip=("lm_head.",) if self.lm_head is None else ())

@@ -35,6 +35,7 @@ class Attention(torch.nn.Module):
         self.softcap: float | None = None  # Gemma 2 caps the attention scores (gemma2.py)
         self.splits = (q, kv, kv)
         self.sinks = 0  # attention sinks: see LlamaForCausalLM.use_attention_sinks
+        self.kv_group = 0  # a hybrid model's KV group: which block tables this layer reads (meta.of_group)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -54,6 +55,8 @@ class Attention(torch.nn.Module):
                 rotary.rotate(place, sink_q)
         if self.use_rope:
             rotary(positions, q, k)
+        if self.kv_group:
+            meta = meta.of_group(self.kv_group)
         if sink_q is not None:
             out = backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window, sinks=self.sinks,
                                   sink_q=sink_q)
