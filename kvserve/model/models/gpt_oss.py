@@ -37,10 +37,7 @@ class GptOssAttention(Attention):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(x)
         rotary(positions, q, k)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window, sink_logits=self.sink_logits)
         return self.o_proj(out.reshape(out.shape[0], -1))

@@ -37,12 +37,15 @@ class Attention(torch.nn.Module):
         self.sinks = 0  # attention sinks: see LlamaForCausalLM.use_attention_sinks
         self.kv_group = 0  # a hybrid model's KV group: which block tables this layer reads (meta.of_group)
 
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, heads, head_dim], k and v [T, kv_heads, head_dim] from one fused matmul."""
+        q, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
+        return (q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
+                v.view(-1, self.num_kv_heads, self.head_dim))
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         sink_q = None
