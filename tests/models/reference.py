@@ -69,3 +69,32 @@ def generate_and_check(llm, hf_model, prompts: list[list[int]], max_tokens: int 
     assert compared >= len(prompts) * max_tokens // 2  # really compared, not skipped as ties
     assert_no_leak(llm)
     return [o.token_ids for o in outs]
+
+
+def check_with_prefix_hit(llm, hf_model) -> None:
+    """Six prompts, the last one sharing the fifth's first 32 tokens: token-identical, and the shared
+    blocks really came from the prefix cache."""
+    prompts = random_prompts(5, 5, 50, seed=1)
+    prompts.append(prompts[4][:32] + [5, 6, 7])
+    generate_and_check(llm, hf_model, prompts, max_tokens=20)
+    assert llm.engine.core.kv_cache.prefix_stats.hits > 0
+
+
+def check_under_preemption(path, hf_model) -> None:
+    """24 blocks of 4 tokens cannot hold 8 requests of ~40-70 tokens at once: requests get preempted
+    and recomputed, and the outputs stay token-identical."""
+    from kvserve import LLM
+
+    small = LLM(model=str(path), num_kv_blocks=24, block_size=4, max_num_batched_tokens=64)
+    generate_and_check(small, hf_model, random_prompts(8, 20, 40, seed=2), max_tokens=30)
+    assert small.engine.core.scheduler.num_preemptions > 0
+
+
+def check_ngram_speculation(path, hf_model, prompts: list[list[int]] | None = None) -> None:
+    """Repeated n-grams give the proposer something to guess; verification keeps greedy output exact."""
+    from kvserve import LLM
+
+    spec = LLM(model=str(path), num_kv_blocks=256, block_size=4, speculative_method="ngram",
+               num_speculative_tokens=3)
+    generate_and_check(spec, hf_model, motif_prompts(3, seed=3) if prompts is None else prompts, max_tokens=20)
+    assert spec.engine.core.spec.stats.proposed > 0

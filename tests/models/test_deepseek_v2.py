@@ -12,7 +12,13 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.config import ModelConfig
 from tests.conftest import assert_no_leak, make_tiny_model
-from tests.models.reference import generate_and_check, load_hf, motif_prompts, random_prompts
+from tests.models.reference import (
+    check_ngram_speculation,
+    check_under_preemption,
+    check_with_prefix_hit,
+    load_hf,
+    random_prompts,
+)
 
 # 3 layers: layer 0 dense, 1 and 2 sparse, each routing to 2 or 3 of 8 experts plus shared ones
 _COMMON = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
@@ -57,23 +63,13 @@ def test_deepseek_v2_matches_transformers(tiny_deepseek):
         assert cfg.moe.scoring == "sigmoid" and cfg.moe.renormalize
         assert float(runner.model.model.layers[1].mlp.e_score_correction_bias.abs().sum()) > 0
     assert runner.fused_decoder is None
-    prompts = random_prompts(5, 5, 50, seed=1)
-    prompts.append(prompts[4][:32] + [5, 6, 7])  # a prefix-cache hit
-    generate_and_check(llm, hf, prompts, max_tokens=20)
-    assert core.kv_cache.prefix_stats.hits > 0
-    assert_no_leak(llm)
+    check_with_prefix_hit(llm, hf)
 
 
 def test_deepseek_v2_preemption_and_ngram_speculation(tiny_deepseek):
     _, path, hf = tiny_deepseek
-    # 24 blocks of 4 tokens cannot hold 8 requests of ~40-70 tokens at once: requests get preempted
-    small = LLM(model=str(path), num_kv_blocks=24, block_size=4, max_num_batched_tokens=64)
-    generate_and_check(small, hf, random_prompts(8, 20, 40, seed=2), max_tokens=30)
-    assert small.engine.core.scheduler.num_preemptions > 0
-    spec = LLM(model=str(path), num_kv_blocks=256, block_size=4, speculative_method="ngram",
-               num_speculative_tokens=3)
-    generate_and_check(spec, hf, motif_prompts(3, seed=3), max_tokens=20)
-    assert spec.engine.core.spec.stats.proposed > 0
+    check_under_preemption(path, hf)
+    check_ngram_speculation(path, hf)
 
 
 # DeepSeek-V2-Lite's attention shape (its config.json, less the parts the cache does not see)

@@ -15,8 +15,15 @@ import torch
 from kvserve import LLM
 from kvserve.model.models.gpt_oss import _hf_to_ours
 from kvserve.model.quant.mxfp4 import BLOCK, E2M1_VALUES
-from tests.conftest import assert_no_leak, make_tiny_model
-from tests.models.reference import generate_and_check, load_hf, motif_prompts, random_prompts
+from tests.conftest import make_tiny_model
+from tests.models.reference import (
+    check_ngram_speculation,
+    check_under_preemption,
+    check_with_prefix_hit,
+    generate_and_check,
+    load_hf,
+    random_prompts,
+)
 
 WINDOW = 8
 SHAPE = dict(num_hidden_layers=3, sliding_window=WINDOW, num_local_experts=8, num_experts_per_tok=2,
@@ -45,23 +52,13 @@ def test_gpt_oss_matches_transformers(tiny_gpt_oss, backend):
     assert moe.scoring == "topk_softmax" and moe.router_bias and moe.expert_bias
     assert (moe.activation, moe.swiglu_limit, moe.swiglu_alpha) == ("clamped_swiglu", 1.0, 1.702)
     assert llm.engine.core.runner.fused_decoder is None
-    prompts = random_prompts(5, 5, 50, seed=1)
-    prompts.append(prompts[4][:32] + [5, 6, 7])  # a prefix-cache hit
-    generate_and_check(llm, hf, prompts, max_tokens=20)
-    assert llm.engine.core.kv_cache.prefix_stats.hits > 0
-    assert_no_leak(llm)
+    check_with_prefix_hit(llm, hf)
 
 
 def test_gpt_oss_preemption_and_ngram_speculation(tiny_gpt_oss):
     path, hf = tiny_gpt_oss
-    # 24 blocks of 4 tokens cannot hold 8 requests of ~40-70 tokens at once: requests get preempted
-    small = LLM(model=str(path), num_kv_blocks=24, block_size=4, max_num_batched_tokens=64)
-    generate_and_check(small, hf, random_prompts(8, 20, 40, seed=2), max_tokens=30)
-    assert small.engine.core.scheduler.num_preemptions > 0
-    spec = LLM(model=str(path), num_kv_blocks=256, block_size=4, speculative_method="ngram",
-               num_speculative_tokens=3)
-    generate_and_check(spec, hf, motif_prompts(3, seed=3), max_tokens=20)
-    assert spec.engine.core.spec.stats.proposed > 0
+    check_under_preemption(path, hf)
+    check_ngram_speculation(path, hf)
 
 
 def _to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,13 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from tests.conftest import assert_no_leak, make_tiny_model
-from tests.models.reference import generate_and_check, load_hf, random_prompts
+from tests.models.reference import (
+    check_ngram_speculation,
+    check_under_preemption,
+    check_with_prefix_hit,
+    load_hf,
+    random_prompts,
+)
 
 FAMILIES = {
     "mixtral": ("MixtralForCausalLM", dict(num_local_experts=8, num_experts_per_tok=2)),
@@ -45,28 +51,14 @@ def test_moe_matches_transformers(tiny_moe):
     if family == "olmoe":
         assert cfg.clip_qkv == 1.0 and model.model.layers[0].self_attn.q_norm.weight.numel() == cfg.hidden_size
     assert llm.engine.core.runner.fused_decoder is None
-    prompts = random_prompts(5, 5, 50, seed=1)
-    prompts.append(prompts[4][:32] + [5, 6, 7])  # a prefix-cache hit
-    generate_and_check(llm, hf, prompts, max_tokens=20)
-    assert llm.engine.core.kv_cache.prefix_stats.hits > 0
-    assert_no_leak(llm)
+    check_with_prefix_hit(llm, hf)
 
 
 def test_moe_preemption_and_ngram_speculation(tiny_moe):
     family, path, hf = tiny_moe
-    # 24 blocks of 4 tokens cannot hold 8 requests of ~40-70 tokens at once: requests get preempted
-    small = LLM(model=str(path), num_kv_blocks=24, block_size=4, max_num_batched_tokens=64)
-    generate_and_check(small, hf, random_prompts(8, 20, 40, seed=2), max_tokens=30)
-    assert small.engine.core.scheduler.num_preemptions > 0
-    assert_no_leak(small)
-    # repeated n-grams give the proposer something to guess; verification keeps greedy output exact
-    spec = LLM(model=str(path), num_kv_blocks=256, block_size=4, speculative_method="ngram",
-               num_speculative_tokens=3)
+    check_under_preemption(path, hf)
     shared = [7, 8, 9, 10] * 6
-    prompts = [shared + [11, 12], shared + [13], random_prompts(1, 20, 30, seed=3)[0] * 2]
-    generate_and_check(spec, hf, prompts, max_tokens=20)
-    assert spec.engine.core.spec.stats.proposed > 0
-    assert_no_leak(spec)
+    check_ngram_speculation(path, hf, [shared + [11, 12], shared + [13], random_prompts(1, 20, 30, seed=3)[0] * 2])
 
 
 def test_moe_int8_quantizes_experts_but_not_the_router(tmp_path):

@@ -6,7 +6,12 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from tests.conftest import assert_no_leak
-from tests.models.reference import generate_and_check, load_hf, random_prompts
+from tests.models.reference import (
+    check_under_preemption,
+    generate_and_check,
+    load_hf,
+    random_prompts,
+)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
@@ -27,11 +32,7 @@ def test_chunked_prefill_matches_transformers(tiny_llama):
 
 
 def test_preemption_matches_transformers(tiny_qwen2):
-    # 24 blocks of 4 tokens cannot hold 8 requests of ~40-70 tokens at once: requests get preempted.
-    llm = LLM(model=str(tiny_qwen2), num_kv_blocks=24, block_size=4, max_num_batched_tokens=64)
-    hf = load_hf(tiny_qwen2)
-    generate_and_check(llm, hf, random_prompts(8, 20, 40, seed=2), max_tokens=30)
-    assert llm.engine.core.scheduler.num_preemptions > 0
+    check_under_preemption(tiny_qwen2, load_hf(tiny_qwen2))
 
 
 def test_batched_sampling_equals_single_requests(tiny_llama):
