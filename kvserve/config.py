@@ -550,7 +550,11 @@ class SpeculativeConfig:
 
     method: str | None = option(None, "speculative decoding: off (unset), ngram (prompt lookup) or draft (a "
                                 "smaller model)", name="speculative_method", choices=SPECULATIVE_METHODS)
-    num_speculative_tokens: int = option(4, "tokens proposed per request and step")
+    num_speculative_tokens: int = option(7, "most tokens proposed per request and step (each request's k "
+                                         "follows its acceptance)")
+    verify_token_cost: float = option(0.25, "cost of verifying one more token, in decode steps (CPU ~0.25, a "
+                                      "GPU far less): with the acceptance it sets each request's k",
+                                      name="speculative_verify_token_cost")
     model: str | None = option(None, "draft model (same tokenizer) for --speculative-method draft",
                                name="speculative_model")
     ngram_min: int = option(1, "shortest n-gram matched", name="speculative_ngram_min")
@@ -569,6 +573,8 @@ class SpeculativeConfig:
             raise ValueError(f"ngram window [{self.ngram_min}, {self.ngram_max}] must satisfy 1 <= min <= max")
         if self.max_batch_size < 1:
             raise ValueError(f"speculative max_batch_size={self.max_batch_size} must be >= 1")
+        if not 0 <= self.verify_token_cost <= 1:
+            raise ValueError(f"speculative verify_token_cost={self.verify_token_cost} must be in [0, 1]")
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")

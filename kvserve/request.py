@@ -47,7 +47,7 @@ class Request:
     num_overtaken_tokens: int = 0  # shortest-first: tokens admitted for later arrivals while this one waited
     spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify in the next step
     spec_probs: Any = None  # draft distribution [k, V] of those proposals (None: point mass)
-    spec_acceptance: float = 1.0  # moving average of the accepted share of proposals
+    spec_acceptance: float = 1.0  # moving estimate of the chance that its next proposed token is accepted
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # filled when params.logprobs is set
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # for prompt tokens 1.., if asked
     grammar: Any = None  # structured outputs: its GrammarMatcher (sample/grammar.py), advanced on every token

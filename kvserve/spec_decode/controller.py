@@ -2,8 +2,10 @@
 
 Speculation pays while decode is memory-bound (small batches) and while guesses are accepted.
 So proposals are made only while at most ``max_batch_size`` requests are decoding, and each
-request's k follows a moving average of its acceptance: a request whose guesses keep failing
-proposes less, down to one probing token every few steps.
+request's k is chosen per step from a moving estimate of the chance ``a`` that its next guess is
+accepted: k tokens verified emit 1 + a + ... + a^k tokens on average and cost 1 + c * k decode
+steps (c = ``verify_token_cost``), so k maximises their ratio, up to ``num_speculative_tokens``. A
+request for which no k pays (its guesses keep failing) only probes: one token every few steps.
 """
 
 from __future__ import annotations
@@ -14,9 +16,8 @@ from kvserve.config import SpeculativeConfig
 from kvserve.request import Request
 from kvserve.spec_decode.proposer import Proposer
 
-_EMA = 0.3  # weight of the latest step in the acceptance average
-_LOW_ACCEPTANCE = 0.2  # below this, a request only probes: one proposal every _PROBE_EVERY tokens
-_PROBE_EVERY = 4
+_EMA = 0.3  # weight of the latest step in the acceptance estimate
+_PROBE_EVERY = 4  # a request for which speculation does not pay proposes one token this often
 
 
 @dataclass
@@ -47,13 +48,14 @@ class SpeculativeController:
             r.spec_token_ids, r.spec_probs = [], None
         if not decoding or len(decoding) > self.config.max_batch_size:
             return
-        eligible = [r for r in decoding if self._eligible(r)]
-        proposals = self.proposer.propose(eligible, self.config.num_speculative_tokens) if eligible else {}
+        ks = {r.request_id: self._k_for(r) for r in decoding if self._eligible(r)}
+        eligible = [r for r in decoding if ks.get(r.request_id, 0) > 0]
+        proposals = self.proposer.propose(eligible, max(ks[r.request_id] for r in eligible)) if eligible else {}
         for r in eligible:
             p = proposals.get(r.request_id)
             if p is None:
                 continue
-            k = min(self._k_for(r), len(p.token_ids))
+            k = min(ks[r.request_id], len(p.token_ids))
             if r.grammar is not None:  # structured outputs: only proposals the grammar allows are worth scoring
                 k = r.grammar.num_valid(p.token_ids[:k])
             r.spec_token_ids = p.token_ids[:k]
@@ -62,10 +64,7 @@ class SpeculativeController:
     def _eligible(self, r: Request) -> bool:
         params = r.sampling_params
         # Penalties and logprobs depend on every earlier token; keep those requests on the plain path.
-        if params.needs_penalties or params.logprobs is not None or self._room(r) <= 0:
-            return False
-        # Guesses that keep failing cost a wider forward pass for nothing: only probe now and then.
-        return r.spec_acceptance >= _LOW_ACCEPTANCE or len(r.output_token_ids) % _PROBE_EVERY == 0
+        return not (params.needs_penalties or params.logprobs is not None or self._room(r) <= 0)
 
     def _room(self, r: Request) -> int:
         """Proposals that still fit before max_tokens and the context window."""
@@ -73,8 +72,11 @@ class SpeculativeController:
         return min(left, self.max_model_len - r.num_tokens)
 
     def _k_for(self, r: Request) -> int:
-        k = max(1, round(self.config.num_speculative_tokens * r.spec_acceptance))
-        return min(k, self._room(r))
+        """Tokens to propose for ``r`` this step (0: none)."""
+        k = best_k(r.spec_acceptance, self.config.verify_token_cost, min(self.config.num_speculative_tokens, self._room(r)))
+        if k == 0 and len(r.output_token_ids) % _PROBE_EVERY == 0:
+            return 1  # guesses that kept failing cost a wider pass for nothing: only probe now and then
+        return k
 
     def record(self, r: Request, num_proposed: int, num_emitted: int) -> None:
         accepted = num_emitted - 1
@@ -82,7 +84,20 @@ class SpeculativeController:
         self.stats.accepted += accepted
         self.stats.verified_requests += 1
         self.stats.emitted += num_emitted
-        r.spec_acceptance = (1 - _EMA) * r.spec_acceptance + _EMA * accepted / num_proposed
+        # Guesses are accepted up to the first miss: `accepted` successes, then one failure unless all held.
+        observed = accepted / (accepted + (accepted < num_proposed))
+        r.spec_acceptance = (1 - _EMA) * r.spec_acceptance + _EMA * observed
 
     def forget(self, request_id: str) -> None:
         self.proposer.forget(request_id)
+
+
+def best_k(acceptance: float, token_cost: float, max_k: int) -> int:
+    """The k in 1..max_k with the most expected tokens per unit of verify cost, or 0 where none beats
+    plain decoding (1 token per step)."""
+    best, best_value = 0, 1.0
+    for k in range(1, max_k + 1):
+        value = sum(acceptance ** i for i in range(k + 1)) / (1 + token_cost * k)
+        if value > best_value:
+            best, best_value = k, value
+    return best

@@ -13,7 +13,8 @@ from kvserve.config import SpeculativeConfig
 from kvserve.sample import sampler as sampler_module
 from kvserve.sample.rejection import verify_sampled
 from kvserve.sample.sampler import filtered_probs, row_probs
-from kvserve.spec_decode.ngram import ngram_lookup
+from kvserve.spec_decode.controller import SpeculativeController, best_k
+from kvserve.spec_decode.ngram import NgramProposer, ngram_lookup
 from tests.conftest import TINY_VOCAB, assert_no_leak, check_report, make_tiny_model
 
 
@@ -69,6 +70,33 @@ def test_ngram_lookup():
     assert ngram_lookup([1, 2, 3, 9, 1, 2, 3], 1, 3, 4) == [9, 1, 2, 3]
     assert ngram_lookup([1, 2, 3, 4], 1, 3, 2) == []
     assert ngram_lookup([5, 1, 7, 5, 2, 8, 5], 1, 2, 2) == [2, 8]  # latest occurrence wins
+
+
+def test_k_follows_the_acceptance_and_the_verify_cost():
+    assert best_k(1.0, 0.25, 7) == 7  # every guess held: the longest chain
+    assert best_k(0.0, 0.25, 7) == 0  # none held: plain decoding beats any verify
+    ks = [best_k(a / 10, 0.25, 7) for a in range(11)]
+    assert ks == sorted(ks) and 0 < ks[5] < ks[9] < 7  # more acceptance, longer chains
+    assert best_k(0.5, 0.0, 7) == 7 and best_k(0.9, 1.0, 7) == 0  # free verification / verify as dear as decoding
+    assert best_k(1.0, 0.25, 3) == 3  # never past the cap (num_speculative_tokens, the room left)
+
+
+def test_acceptance_estimate_rises_with_held_chains_and_falls_at_misses():
+    from kvserve.request import Request
+
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=7, max_batch_size=8)
+    controller = SpeculativeController(config, NgramProposer(), max_model_len=1024)
+    r = Request(request_id="a", prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(max_tokens=100))
+    for _ in range(8):
+        controller.record(r, 7, 1)  # the first guess missed every time
+    assert r.spec_acceptance < 0.1 and controller._k_for(r) in (0, 1)  # probes at most
+    low = r.spec_acceptance
+    controller.record(r, 1, 2)  # a probe held
+    assert r.spec_acceptance > low
+    for _ in range(10):
+        controller.record(r, 7, 8)  # whole chains held
+    assert r.spec_acceptance > 0.95 and controller._k_for(r) == 7
+    assert controller.stats.proposed == 8 * 7 + 1 + 70 and controller.stats.accepted == 1 + 70
 
 
 @pytest.mark.parametrize("method, k", [("ngram", 1), ("ngram", 3), ("ngram", 6), ("draft", 2), ("draft", 4)])

@@ -307,6 +307,11 @@ at::Tensor fused(const QuantWeight& w, const at::Tensor& x) {
 // weight markedly slower than this on the default model's shapes.
 constexpr int64_t kPrefetchRows = 64;
 
+// Rows of x per pass over W: a speculative verify (k + 1 <= 8 rows of one request) reads W once.
+constexpr int kVnniRows = 8;
+// Rows of W per pass: 4 share each block of x; past 4 rows of x, 2, so the accumulators fit the registers.
+constexpr int vnni_w_rows(int mb) { return mb <= 4 ? 4 : 2; }
+
 // Rows of W per parallel task for the few-row kernels: a second thread costs a wake-up (tens of
 // microseconds) that a small matrix never earns back, so split only beyond ~256 KB of W per task.
 inline int64_t rows_per_task(int64_t row_bytes) { return std::max<int64_t>(16, (int64_t{1} << 18) / row_bytes); }
@@ -415,10 +420,10 @@ inline void finish_rows(const QuantWeight& w, __m512 (&acc)[NR][MB], const float
     }
   }
   for (int m = 0; m < MB; ++m) {
-    if constexpr (NR == 4) {
+    if constexpr (NR == 4 || NR == 2) {  // reduce4 sums each vector alike, so two rows round as four do
       alignas(64) float sums[16];
-      _mm512_store_ps(sums, reduce4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
-      for (int r = 0; r < 4; ++r) y[m * ldy + n + r] = static_cast<T>(sums[4 * r]);
+      _mm512_store_ps(sums, reduce4(acc[0][m], acc[1][m], acc[NR - 2][m], acc[NR - 1][m]));
+      for (int r = 0; r < NR; ++r) y[m * ldy + n + r] = static_cast<T>(sums[4 * r]);
     } else {
       for (int r = 0; r < NR; ++r) y[m * ldy + n + r] = static_cast<T>(_mm512_reduce_add_ps(acc[r][m]));
     }
@@ -474,7 +479,7 @@ template <typename T, bool CODED, bool SPLIT, int MB>
 void int4_block(const QuantWeight& w, const BlockLanes* lanes, int64_t blocks, const QBlock* xq, const float* xsum,
                 int64_t gpad, int64_t n0, int64_t n1, T* y, int64_t ldy) {
   const int64_t n4 = n0 + (n1 - n0) / 4 * 4;
-  int4_rows<T, CODED, SPLIT, MB, 4>(w, lanes, blocks, xq, xsum, gpad, n0, n4, y, ldy);
+  int4_rows<T, CODED, SPLIT, MB, vnni_w_rows(MB)>(w, lanes, blocks, xq, xsum, gpad, n0, n4, y, ldy);
   int4_rows<T, CODED, SPLIT, MB, 1>(w, lanes, blocks, xq, xsum, gpad, n4, n1, y, ldy);
 }
 
@@ -494,11 +499,11 @@ at::Tensor int4_fused(const QuantWeight& w, const at::Tensor& x) {
   at::Tensor y = at::empty({m, w.n}, x.options());
   T* yp = y.data_ptr<T>();
   parallel_for_dynamic(0, w.n, rows_per_task(w.row_bytes(4)), [&](int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < m; m0 += kFusedRows) {
+    for (int64_t m0 = 0; m0 < m; m0 += kVnniRows) {
       const QBlock* xm = xq + m0 * blocks;
       const float* sm = xsum + m0 * gpad;
       T* ym = yp + m0 * w.n;
-      with_few_rows(std::min<int64_t>(kFusedRows, m - m0), [&](auto mb) {
+      with_few_rows<kVnniRows>(std::min<int64_t>(kVnniRows, m - m0), [&](auto mb) {
         int4_block<T, CODED, SPLIT, decltype(mb)::value>(w, lanes, blocks, xm, sm, gpad, n0, n1, ym, w.n);
       });
     }
@@ -613,13 +618,13 @@ at::Tensor int8_fused(const QuantWeight& w, const at::Tensor& x) {
   T* yp = y.data_ptr<T>();
   parallel_for_dynamic(0, w.n, rows_per_task(w.row_bytes(8)), [&](int64_t n0, int64_t n1) {
     const int64_t n4 = n0 + (n1 - n0) / 4 * 4;
-    for (int64_t m0 = 0; m0 < m; m0 += kFusedRows) {
+    for (int64_t m0 = 0; m0 < m; m0 += kVnniRows) {
       const Int8X* xm = xq.data() + m0;
       const float* sm = xsum + m0 * gpad;
       T* ym = yp + m0 * w.n;
-      with_few_rows(std::min<int64_t>(kFusedRows, m - m0), [&](auto mb) {
+      with_few_rows<kVnniRows>(std::min<int64_t>(kVnniRows, m - m0), [&](auto mb) {
         constexpr int MB = decltype(mb)::value;
-        int8_rows<T, MB, 4>(w, lanes, blocks, xm, sm, gpad, n0, n4, ym, w.n);
+        int8_rows<T, MB, vnni_w_rows(MB)>(w, lanes, blocks, xm, sm, gpad, n0, n4, ym, w.n);
         int8_rows<T, MB, 1>(w, lanes, blocks, xm, sm, gpad, n4, n1, ym, w.n);
       });
     }
