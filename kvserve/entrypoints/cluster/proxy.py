@@ -34,6 +34,7 @@ logger = logging.getLogger("kvserve.cluster")
 
 HEALTH_INTERVAL_S = 1.0
 ROUTING_TEXT_CHARS = 32_768  # the prompt's head is all prefix routing needs; bounds the tokenizing
+REPLICA_HEADER = "x-kvserve-replica"  # on every relayed answer: which replica served it
 _HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding"}
 
 
@@ -145,14 +146,15 @@ class Cluster:
                 rest = [first] + [c async for c in chunks]
                 await upstream.aclose()
                 self.router.finished(replica)
-                return Response(b"".join(rest), status_code=upstream.status_code, media_type=media_type)
+                return Response(b"".join(rest), status_code=upstream.status_code, media_type=media_type,
+                                headers={REPLICA_HEADER: str(replica)})
         except httpx.TransportError as e:  # nothing has reached the client yet
             await upstream.aclose()
             self.router.finished(replica)
             self.mark_down(replica, repr(e))
             return None
         return StreamingResponse(self._relay(replica, upstream, first, chunks), status_code=upstream.status_code,
-                                 media_type=media_type)
+                                 media_type=media_type, headers={REPLICA_HEADER: str(replica)})
 
     async def _relay(self, replica: int, upstream: httpx.Response, first: bytes,
                      chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
