@@ -53,6 +53,9 @@ class Router:
     def mark_up(self, replica: int) -> None:
         self.healthy[replica] = True
 
+    def set_capacity(self, replica: int, blocks: int) -> None:
+        """The blocks ``replica``'s KV pool holds; routers that model its cache use it."""
+
     def least_loaded(self, candidates: list[int]) -> int:
         return min(candidates, key=lambda i: (self.load[i], i))
 
