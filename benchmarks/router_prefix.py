@@ -2,17 +2,19 @@
 
 Each conversation pastes its own document (a slice of tests/data/alice29.txt, ~1,500 tokens) under
 one short shared system prompt, then asks follow-up questions, resending the whole history every
-turn as chat clients do. Each replica's KV pool holds about half the conversations' histories, as a
-loaded server's does: where a conversation's history is cached decides whether its next turn is a
-hit. Reported per run: each router's prefix-cache hit rate (cached prompt tokens / prompt tokens,
-summed over the replicas' /metrics) and the time to first token; with several seeds, the mean and
-spread of each and the ratio of the mean hit rates.
+turn as chat clients do. Each replica's KV pool holds half the conversations' final histories (and
+4% more), as a loaded server's does: where a conversation's history is cached decides whether its
+next turn is a hit. Reported per run: each router's prefix-cache hit rate (cached prompt tokens /
+prompt tokens, summed over the replicas' /metrics), the time to first token, and where the turns
+after the first went (to the replica of the conversation's previous turn or the other) with each
+side's hit rate; over several seeds, the mean and range of each and the ratio of the mean hit rates.
 
-Schedules (``--schedule``): ``independent`` (the default) runs each conversation on its own, a
-seeded exponential think time before each turn, as users and agents do; ``waves`` sends every
-conversation's turn t together, in a seeded order, and waits for all before turn t + 1.
+Schedules (``--schedule``): ``independent`` (the default) runs each conversation at its own pace,
+an exponential think time (mean ``--think``, seeded) before each turn, as users and agents do;
+``waves`` sends every conversation's turn t together, in a seeded order, and waits for all of them
+before turn t + 1. Seeds alternate which router runs first.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/router_prefix.py --seeds 0 1 2 [--trace] [--json OUT]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/router_prefix.py --seeds 0 1 2 3 4 [--trace] [--json OUT]
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ DOCUMENT = Path(__file__).resolve().parent.parent / "tests" / "data" / "alice29.
 DOC_CHARS = 6000
 QUESTIONS = ["Who is in this passage?", "What happens next?", "Why is that?", "Quote one line.",
              "What is the most surprising part?", "Summarise it for me.", "And after that?", "Anything else?"]
-KV_BLOCKS = 560  # x 16 tokens per replica: about half of 8 conversations' final histories (--kv-blocks)
+KV_BLOCKS = 480  # x 16 tokens per replica: 8 conversations' final histories take ~920 (--kv-blocks)
 ROUTERS = ("round-robin", "prefix-aware")
 
 
@@ -149,7 +151,24 @@ def run(router: str, args: argparse.Namespace, seed: int) -> dict:
             "prefix_hits": hit_sum, "prefix_queries": query_sum, "ttft_p50_s": statistics.median(ttfts),
             "ttft_p90_s": statistics.quantiles(ttfts, n=10)[-1], "requests": len(log),
             "per_replica": {"hits": hits, "queries": queries, "evictions": evictions, "preemptions": preemptions},
+            "later_turns": where_later_turns_went([asdict(r) for r in log]),
             "turns": [asdict(r) for r in sorted(log, key=lambda r: (r.conversation, r.turn))]}
+
+
+def where_later_turns_went(turns: list[dict]) -> dict:
+    """Turns after the first, split by whether they went to the replica of the conversation's
+    previous turn: each side's share of those turns and the share of its prompt tokens that hit."""
+    sides = {"same": [0, 0, 0], "other": [0, 0, 0]}  # turns, cached tokens, prompt tokens
+    previous = {}
+    for t in sorted(turns, key=lambda t: (t["conversation"], t["turn"])):
+        if t["conversation"] in previous:
+            side = sides["same" if previous[t["conversation"]] == t["replica"] else "other"]
+            side[0] += 1
+            side[1] += t["cached_tokens"]
+            side[2] += t["prompt_tokens"]
+        previous[t["conversation"]] = t["replica"]
+    total = sum(n for n, _, _ in sides.values()) or 1
+    return {k: {"share_of_turns": n / total, "hit_rate": c / p if p else 0.0} for k, (n, c, p) in sides.items()}
 
 
 def print_trace(row: dict) -> None:
@@ -191,6 +210,9 @@ def main() -> None:
             print(f"{router:13} seed {seed}: prefix hit rate {row['prefix_hit_rate']:.3f} ({row['prefix_hits']:.0f} of "
                   f"{row['prefix_queries']:.0f} prompt tokens), TTFT p50 {row['ttft_p50_s']:.3f} s, "
                   f"p90 {row['ttft_p90_s']:.3f} s", flush=True)
+            same, other = row["later_turns"]["same"], row["later_turns"]["other"]
+            print(f"{'':13} later turns: {same['share_of_turns']:.0%} to the previous turn's replica (hit rate "
+                  f"{same['hit_rate']:.3f}), {other['share_of_turns']:.0%} to the other (hit rate {other['hit_rate']:.3f})")
             if args.trace:
                 print_trace(row)
     summary = {}
