@@ -251,6 +251,8 @@ def run_one(setup: Setup, router_name: str, num_replicas: int, workload: Workloa
         raise ValueError(f"{setup.label}: the weights leave no room for a KV cache")
     replicas = [Replica(setup, num_blocks, max_num_seqs, max_batched_tokens) for _ in range(num_replicas)]
     router = make_router(router_name, num_replicas, setup.block_size)
+    for i in range(num_replicas):  # as the front end does, from each replica's /metrics
+        router.set_capacity(i, num_blocks)
     requests = simulate(router, replicas, make_sessions(workload, num_replicas), workload.seed, setup.block_size)
     return {"router": router_name, "replicas": num_replicas, **summarize(requests)}
 

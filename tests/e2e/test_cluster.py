@@ -53,19 +53,24 @@ def test_openai_client_streams_through_the_front_end(cluster):
     out = client.completions.create(model="SmolLM2-135M-Instruct", prompt="The capital of France is", max_tokens=8,
                                     temperature=0)
     assert out.choices[0].text and out.usage.completion_tokens == 8
-    again = client.completions.create(model="SmolLM2-135M-Instruct", prompt="The capital of France is",
-                                      max_tokens=8, temperature=0)
-    assert again.choices[0].text == out.choices[0].text  # same prompt, same replica's prefix cache: same answer
+    again = client.completions.with_raw_response.create(model="SmolLM2-135M-Instruct",
+                                                        prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert again.parse().choices[0].text == out.choices[0].text  # same prompt, same replica's cache: same answer
+    assert again.headers["x-kvserve-replica"] in ("0", "1")
     with pytest.raises(openai.BadRequestError):  # the replica's 400 comes back as it was
         client.completions.create(model="SmolLM2-135M-Instruct", prompt="x", max_tokens=8, temperature=-1)
 
 
 def test_metrics_and_health_cover_every_replica(cluster):
-    assert [r["healthy"] for r in _replicas(cluster)] == [True, True]
+    replicas = _replicas(cluster)
+    assert [r["healthy"] for r in replicas] == [True, True]
     text = httpx.get(cluster.url("/metrics"), timeout=10).text
     for replica in ("0", "1"):
         assert f'kvserve:num_requests_running{{replica="{replica}",model_name=' in text
         assert f'kvserve:replica_up{{replica="{replica}"}} 1' in text
+        # the pool size the router models each replica's cache with is the replica's own
+        pool = next(line for line in text.splitlines() if line.startswith(f'kvserve:kv_cache_blocks{{replica="{replica}"'))
+        assert replicas[int(replica)]["kv_blocks"] == int(float(pool.rsplit(" ", 1)[1])) > 0
     assert text.count("# TYPE kvserve:num_requests_running gauge") == 1
 
 

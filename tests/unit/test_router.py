@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.entrypoints.cluster.proxy import merge_metrics
+from kvserve.entrypoints.cluster.proxy import merge_metrics, pool_blocks
 from kvserve.entrypoints.cluster.router import LeastLoad, PrefixAware, RoundRobin, make_router
 from kvserve.entrypoints.cluster.serve import replica_argv
+from kvserve.kv_cache.hashing import chain_keys
 
 SYSTEM = list(range(100, 164))  # 4 blocks of 16 shared by a conversation's turns
 
@@ -29,6 +30,55 @@ def test_prefix_aware_yields_to_balance():
     assert r.choose(SYSTEM) == home  # 4 more in flight than the other: within balance_abs
     r.started(home)
     assert r.choose(SYSTEM) != home  # 5 more, and more than 1.5x: the idle replica takes it
+
+
+def _chat(n: int, turns: int = 1) -> list[int]:
+    """Conversation ``n``: the shared system prompt, its own 30-block document, then ``turns`` - 1 more blocks."""
+    return SYSTEM + list(range(10_000 * (n + 1), 10_000 * (n + 1) + 480)) + [n] * 16 * (turns - 1)
+
+
+def test_new_conversations_sharing_a_system_prompt_spread_by_pool_room():
+    # All arrive before any finishes, and only the system prompt (4 of 34 blocks) is shared: each
+    # goes where there is the most room, so the histories split 2/2 rather than piling up where
+    # the system prompt is (which the load threshold would allow up to 5 more in flight).
+    r = PrefixAware(2, block_size=16, balance_abs=4)
+    homes = []
+    for n in range(4):
+        homes.append(r.choose(_chat(n)))
+        r.started(homes[-1])
+    assert sorted(homes) == [0, 0, 1, 1]
+    for n in range(4):  # later turns (most of their blocks matched) go back to their history
+        assert r.choose(_chat(n, turns=2)) == homes[n]
+
+
+def test_the_picture_of_a_pool_evicts_tail_first_and_keeps_its_capacity():
+    r = PrefixAware(1, block_size=16)
+    r.set_capacity(0, 40)
+    a, b = _chat(0), _chat(1)
+    keys = [k.hash for k in chain_keys(a, 16, [])]
+    r.choose(a)
+    assert r.matched_blocks(0, keys) == 34
+    r.choose(b)  # 30 new blocks: 24 of a's go, from its tail, so its head still matches
+    assert len(r.trees[0]) == 40 and r.matched_blocks(0, keys) == 10
+
+
+def test_a_conversation_whose_history_was_evicted_goes_where_it_displaces_the_least():
+    r = PrefixAware(2, block_size=16)
+    for i in range(2):
+        r.set_capacity(i, 34)  # one chat each
+    assert r.choose(_chat(0)) == 0
+    assert r.choose(_chat(1)) == 1  # only the system prompt matches on 0: the empty pool takes it
+    assert r.choose(_chat(2)) == 0  # both full: replica 0's oldest block (chat 0's) is the older
+    turn = [k.hash for k in chain_keys(_chat(0, turns=2), 16, [])]
+    assert r.matched_blocks(0, turn) == 4  # chat 0's history is evicted on 0, only the system prompt left
+    assert r.choose(_chat(0, turns=2)) == 1  # chat 1's blocks are now the oldest anywhere
+
+
+def test_pool_blocks_reads_the_replicas_gauge():
+    text = ('# TYPE kvserve:kv_cache_blocks_in_use gauge\nkvserve:kv_cache_blocks_in_use{model_name="m",kind="full"} 7.0\n'
+            '# TYPE kvserve:kv_cache_blocks gauge\nkvserve:kv_cache_blocks{model_name="m"} 480.0\n')
+    assert pool_blocks(text) == 480
+    assert pool_blocks("kvserve:num_requests_running 1.0\n") is None
 
 
 def test_prefix_aware_forgets_a_replica_that_went_down():

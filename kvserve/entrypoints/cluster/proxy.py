@@ -5,6 +5,8 @@ so streams come back token by token and a client that goes away closes the repli
 which aborts the request there. A replica that fails before it has sent anything is marked down
 and the request is tried once more elsewhere; one that fails mid-stream ends the stream with an
 error event and ``[DONE]``. A health loop marks replicas down and up again as /health answers.
+Every answer names its replica in ``x-kvserve-replica``; each replica's KV pool size, read from
+its /metrics at start, sizes the router's picture of its cache.
 ``/metrics`` merges the replicas' metrics under a ``replica`` label, with the router's own; the
 playground and the dashboard are served here too, the dashboard with one panel per replica (events.py).
 """
@@ -34,6 +36,7 @@ logger = logging.getLogger("kvserve.cluster")
 
 HEALTH_INTERVAL_S = 1.0
 ROUTING_TEXT_CHARS = 32_768  # the prompt's head is all prefix routing needs; bounds the tokenizing
+REPLICA_HEADER = "x-kvserve-replica"  # on every relayed answer: which replica served it
 _HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding"}
 
 
@@ -43,6 +46,7 @@ class Cluster:
     def __init__(self, replicas: list, router: Router, tokenizer, api_key: str | None) -> None:
         self.replicas, self.router, self.tokenizer, self.api_key = replicas, router, tokenizer, api_key
         self.routed = [0] * len(replicas)
+        self.kv_blocks: list[int | None] = [None] * len(replicas)  # each replica's KV pool, from its /metrics
         self.retries = 0
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
@@ -73,6 +77,22 @@ class Cluster:
         if self.router.healthy[replica]:
             logger.warning("replica %d (%s) is down: %s", replica, self.replicas[replica].url, why)
         self.router.mark_down(replica)
+
+    async def learn_pools(self) -> None:
+        """Read each replica's KV pool size (blocks) from its /metrics and tell the router."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+        async def fetch(i: int) -> int | None:
+            try:
+                response = await self.client.get(self.replicas[i].url + "/metrics", headers=headers, timeout=5.0)
+            except httpx.HTTPError:
+                return None
+            return pool_blocks(response.text) if response.status_code == 200 else None
+
+        self.kv_blocks = list(await asyncio.gather(*(fetch(i) for i in range(len(self.replicas)))))
+        for i, blocks in enumerate(self.kv_blocks):
+            if blocks:
+                self.router.set_capacity(i, blocks)
 
     # ---- health ---------------------------------------------------------------------------------
     async def check(self, replica: int) -> bool:
@@ -145,14 +165,15 @@ class Cluster:
                 rest = [first] + [c async for c in chunks]
                 await upstream.aclose()
                 self.router.finished(replica)
-                return Response(b"".join(rest), status_code=upstream.status_code, media_type=media_type)
+                return Response(b"".join(rest), status_code=upstream.status_code, media_type=media_type,
+                                headers={REPLICA_HEADER: str(replica)})
         except httpx.TransportError as e:  # nothing has reached the client yet
             await upstream.aclose()
             self.router.finished(replica)
             self.mark_down(replica, repr(e))
             return None
         return StreamingResponse(self._relay(replica, upstream, first, chunks), status_code=upstream.status_code,
-                                 media_type=media_type)
+                                 media_type=media_type, headers={REPLICA_HEADER: str(replica)})
 
     async def _relay(self, replica: int, upstream: httpx.Response, first: bytes,
                      chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -196,6 +217,14 @@ class Cluster:
         return "\n".join(lines) + "\n"
 
 
+def pool_blocks(metrics_text: str) -> int | None:
+    """The blocks in a replica's KV pool, from its Prometheus text (None if it does not say)."""
+    for line in metrics_text.splitlines():
+        if line.startswith(("kvserve:kv_cache_blocks{", "kvserve:kv_cache_blocks ")):
+            return int(float(line.rsplit(" ", 1)[1]))
+    return None
+
+
 def merge_metrics(texts: list[str]) -> str:
     """Prometheus texts of several replicas as one: each sample labelled ``replica="i"``, every
     family's samples together under its HELP/TYPE lines (which the format requires)."""
@@ -228,6 +257,7 @@ def build_cluster_app(cluster: Cluster, model_names: tuple[str, ...], max_reques
                       metrics_require_key: bool = False) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        await cluster.learn_pools()
         task = asyncio.create_task(cluster.health_loop())
         yield
         task.cancel()
@@ -267,7 +297,8 @@ def build_cluster_app(cluster: Cluster, model_names: tuple[str, ...], max_reques
     @app.get("/health")
     async def health() -> Response:
         replicas = [{"replica": i, "url": r.url, "healthy": cluster.router.healthy[i],
-                     "in_flight": cluster.router.load[i]} for i, r in enumerate(cluster.replicas)]
+                     "in_flight": cluster.router.load[i], "kv_blocks": cluster.kv_blocks[i]}
+                    for i, r in enumerate(cluster.replicas)]
         return JSONResponse({"replicas": replicas}, status_code=200 if any(cluster.router.healthy) else 503)
 
     @app.get("/metrics")
