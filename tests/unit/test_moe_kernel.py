@@ -61,9 +61,9 @@ def _store(layer, how: str, w: torch.Tensor) -> None:
         layer.method.finish_loading(layer)
 
 
-def _block(fmt: str) -> SparseMoeBlock:
+def _block(fmt: str, top_k: int = 2) -> SparseMoeBlock:
     dtype, how = FORMATS[fmt]
-    block = SparseMoeBlock(HIDDEN, MoeConfig(EXPERTS, 2, INTER), dtype)
+    block = SparseMoeBlock(HIDDEN, MoeConfig(EXPERTS, top_k, INTER), dtype)
     gen = torch.Generator().manual_seed(0)
     for expert in block.experts:
         for layer in (expert.gate_up_proj, expert.down_proj):
@@ -71,15 +71,16 @@ def _block(fmt: str) -> SparseMoeBlock:
     return block
 
 
-def _routing(tokens: int, spread: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, expert ids) [tokens, 2]: "even" cycles through the experts; "skewed" sends every
-    token to expert 2 and each token's second pick to expert 0 or 5, leaving 1, 3 and 4 idle."""
+def _routing(tokens: int, spread: str, k: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 weights, expert ids) [tokens, k]: "even" cycles through the experts; "skewed" sends
+    every token to expert 2 and the rest of its picks among 0, 5 and 4, leaving 1 and 3 idle."""
     t = torch.arange(tokens)
     if spread == "even":
-        ids = torch.stack([t % EXPERTS, (t + 1) % EXPERTS], dim=1)
+        ids = torch.stack([(t + j) % EXPERTS for j in range(k)], dim=1)
     else:
-        ids = torch.stack([torch.full_like(t, 2), torch.where(t % 3 == 0, 5, 0)], dim=1)
-    weights = torch.rand(tokens, 2, generator=torch.Generator().manual_seed(tokens))
+        others = torch.tensor([[0, 5, 4], [5, 4, 0], [4, 0, 5]])[t % 3]
+        ids = torch.cat([torch.full_like(t, 2)[:, None], others[:, :k - 1]], dim=1)
+    weights = torch.rand(tokens, k, generator=torch.Generator().manual_seed(tokens))
     return weights, ids
 
 
@@ -108,6 +109,22 @@ def test_cpp_experts_equal_the_torch_path(fmt):
         assert torch.equal(ours_read, sizes * active[:, None]) and torch.equal(ref_read, ours_read)
 
 
+@pytest.mark.parametrize("fmt", ["bf16_packed", "float32", "int4"])
+@pytest.mark.parametrize("weights_dtype", [torch.float32, None], ids=["float32_weights", "model_dtype_weights"])
+def test_top4_routing_and_weight_dtypes(fmt, weights_dtype):
+    """Four experts a token (each token's four terms summed in float32, rounded once, as index_add_
+    does), with router weights in float32 or in the model's dtype."""
+    _kernels()
+    block = _block(fmt, top_k=4)
+    for tokens, spread in [(1, "even"), (32, "even"), (32, "skewed")]:
+        x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).to(block.gate.dtype)
+        weights, ids = _routing(tokens, spread, k=4)
+        weights = weights.to(weights_dtype or x.dtype)
+        ours, _ = _run(block, x, weights, ids, cpp=True)
+        ref, _ = _run(block, x, weights, ids, cpp=False)
+        assert torch.equal(ours, ref), (fmt, tokens, spread, (ours.float() - ref.float()).abs().max())
+
+
 def test_experts_with_bias_or_clamped_swiglu_keep_the_torch_path():
     _kernels()
     gpt_oss = MoeConfig(4, 2, 64, activation="clamped_swiglu", swiglu_alpha=1.702, swiglu_limit=7.0,
@@ -122,8 +139,9 @@ def test_kernel_checks_its_inputs():
     block = _block("int8")
     kernel = block._kernel_for(torch.zeros(1, HIDDEN))
     x = torch.randn(4, HIDDEN).bfloat16()
-    with pytest.raises(RuntimeError, match="counts add up to 3 rows"):
-        kernel(x, [1, 2, 0, 0, 0, 0], None)
-    with pytest.raises(RuntimeError, match="one count per expert"):
-        kernel(x, [4], None)
-    assert kernel(x[:0], [0] * EXPERTS, None).shape == (0, HIDDEN)
+    weights, ids = _routing(4, "even")
+    with pytest.raises(RuntimeError, match="expert id 6 out of range"):
+        kernel(x, weights, torch.full_like(ids, 6), None)
+    with pytest.raises(RuntimeError, match="like ids"):
+        kernel(x, weights[:, :1], ids, None)
+    assert kernel(x[:0], weights[:0], ids[:0], None).shape == (0, HIDDEN)

@@ -164,10 +164,12 @@ struct LinearSpec {
 class MoeExperts {
  public:
   MoeExperts(std::vector<LinearSpec> gate_up, std::vector<LinearSpec> down);
-  // x [P, K]: a step's (token, expert) pairs sorted by expert, counts[e] rows for expert e. Returns
-  // each row's expert output [P, H], bitwise what the expert's own LinearSpec calls compute.
-  // bytes_read ([E, 2] int64, optional): the bytes of W each expert's gate_up and down read are added.
-  at::Tensor forward(const at::Tensor& x, const std::vector<int64_t>& counts,
+  // x [T, H]; ids, weights [T, k]: each token's experts and their router weights. Returns
+  // sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) [T, H], bitwise the per-expert torch path of
+  // layers/moe.py: each expert's rows as its own LinearSpec calls compute them, weighted and summed
+  // with torch's roundings. bytes_read ([E, 2] int64, optional): each expert's gate_up and down
+  // bytes of W read are added.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids,
                      const c10::optional<at::Tensor>& bytes_read) const;
 
  private:

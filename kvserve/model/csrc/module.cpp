@@ -66,8 +66,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<MoeExperts>(m, "MoeExperts", py::module_local())
       .def(py::init<std::vector<LinearSpec>, std::vector<LinearSpec>>(), py::arg("gate_up"), py::arg("down"))
       .def("__call__", &MoeExperts::forward,
-           "every active expert's down(SiLU(gate) * up) of its rows of x (sorted by expert, counts rows each)",
-           py::arg("x"), py::arg("counts"), py::arg("bytes_read") = py::none(), no_gil);
+           "sum over each token's experts of weight * down(SiLU(gate) * up) of its row of x (CPU)",
+           py::arg("x"), py::arg("weights"), py::arg("ids"), py::arg("bytes_read") = py::none(), no_gil);
   py::class_<LlamaDecoder>(m, "LlamaDecoder", py::module_local())
       .def(py::init<std::vector<LayerSpec>, at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>, int64_t,
                     int64_t, int64_t, double, double, int64_t, std::vector<int64_t>>())

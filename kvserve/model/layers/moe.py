@@ -151,14 +151,16 @@ class SparseMoeBlock(torch.nn.Module):
         """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, one matmul per active expert.
 
         The pairs are sorted by expert (stably, so each token's terms are added in ascending expert
-        order, as transformers adds them) and summed into zeros with one ``index_add_``."""
+        order, as transformers adds them) and summed into zeros with one ``index_add_``. The C++ call
+        does all of it, bitwise the same."""
+        kernel = self._kernel_for(x)
+        if kernel is not None:
+            return kernel(x.contiguous(), weights, ids.contiguous(), self.bytes_read)
         flat_ids = ids.flatten()
         order = torch.argsort(flat_ids, stable=True)
         token_of = order // self.top_k
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # one host sync per layer
-        gathered = x[token_of]
-        kernel = self._kernel_for(x)
-        y = kernel(gathered, counts, self.bytes_read) if kernel is not None else self._experts_in_torch(gathered, counts)
+        y = self._experts_in_torch(x[token_of], counts)
         y = (y * weights.flatten()[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, y)
 
