@@ -1,11 +1,13 @@
-"""The routed experts of a MoE block in one C++ call on the CPU (layers/csrc/moe.cpp).
+"""The routed experts of a MoE block in one C++ call on the CPU (layers/csrc/moe.cpp): from the
+router's weights and expert ids to the block's output.
 
 Per projection, the rows of W of every active expert are cut into strips that the threads take
 together in one parallel region, instead of one region (and one Python call) per expert and
 projection: with a few tokens per expert, the threads otherwise spend the step waking up and
-waiting on one small matrix at a time. Each expert's result is bitwise what its own Linear layers
-compute. Experts with another activation than SiLU(gate) * up or with biases (gpt-oss) keep the
-torch path, as does every other device.
+waiting on one small matrix at a time. The pairs' sort, gather, weighting and sum happen in the
+call too. The output is bitwise the torch path's (``SparseMoeBlock.run_experts``). Experts with
+another activation than SiLU(gate) * up or with biases (gpt-oss) keep the torch path, as does
+every other device.
 """
 
 from __future__ import annotations
