@@ -5,18 +5,20 @@ MoE: Mixtral's layout, 8 experts of intermediate size I, top 2. Dense: Llama, sa
 vocabulary, one MLP of intermediate 2 I (the two experts a token runs). The MoE model runs its
 experts either in one C++ call per layer ("cpp", layers/csrc/moe.cpp) or one torch call per active
 expert ("torch", KVSERVE_MOE_CPU_KERNEL=0); both are timed on the same loaded model, switched per
-round. A step's time is the difference between generating ``--long`` and ``--short`` tokens for
+round. The dense model runs its fused C++ decode step ("dense"), which MoE models do not have, and
+also eagerly, one call per op as the MoE model runs ("dense_eager"). A step's time is the difference between generating ``--long`` and ``--short`` tokens for
 ``--batch`` requests with the same prompts (the prefill cancels), over rounds that alternate the
 variants; the ratios of the medians are printed. Then each MoE block call of a few steps is checked
 to read every active expert's weights exactly once and no idle expert's (``SparseMoeBlock.bytes_read``).
 
-    python benchmarks/moe_decode.py --dtype bfloat16 --batch 32 [--quantization int4] [--json out.json]
+    python benchmarks/moe_decode.py --dtype bfloat16 --batch 32 --num-threads 2 [--quantization int4] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -34,14 +36,19 @@ def main() -> None:
     parser.add_argument("--short", type=int, default=4)
     parser.add_argument("--long", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="a fixed thread count (default: the engine's, which drops one while others keep a core busy)")
     parser.add_argument("--experts", default="cpp,torch", help="the MoE expert paths to time: cpp, torch or both")
     parser.add_argument("--json", type=Path, default=None, help="write the figures to this file")
     args = parser.parse_args()
 
     import kvserve  # noqa: F401  (first: it sets the OpenMP wait policy before torch loads)
 
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="moe-bench-") as tmp:
         result = run_ab(args, Path(tmp))
+    # other processes on the machine: a shared one moves the medians; the fastest rounds less so
+    result["load_average"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
 
@@ -61,7 +68,7 @@ def build(args: argparse.Namespace, tmp: Path) -> dict:
     dense_path = write_random_model(tmp / "dense", "LlamaForCausalLM", dtype=dtype,
                                     intermediate_size=2 * args.expert_inter, **shape)
     options = dict(dtype=args.dtype, num_kv_blocks=64 * args.batch, block_size=16, max_num_seqs=args.batch,
-                   enable_prefix_caching=False, quantization=args.quantization)
+                   enable_prefix_caching=False, quantization=args.quantization, num_threads=args.num_threads)
     return {"moe": LLM(model=str(moe_path), **options), "dense": LLM(model=str(dense_path), **options)}
 
 
@@ -79,14 +86,21 @@ def run_ab(args: argparse.Namespace, tmp: Path) -> dict:
         print(f"{name}: {params / 1e6:.1f}M stored parameters, fused decoder: "
               f"{llm.engine.core.runner.fused_decoder is not None}")
     paths = [p for p in args.experts.split(",") if p]
-    variants = {"dense": (llms["dense"], None), **{f"moe_{p}": (llms["moe"], p == "cpp") for p in paths}}
+    # name: (model, C++ experts or not, the fused decode step or not). The MoE model has no fused
+    # step (its layers run eagerly, one call per op); "dense_eager" runs the dense model that way too.
+    dense_runner = llms["dense"].engine.core.runner
+    fused = dense_runner.fused_decoder
+    variants = {"dense": (llms["dense"], None, fused), "dense_eager": (llms["dense"], None, None),
+                **{f"moe_{p}": (llms["moe"], p == "cpp", None) for p in paths}}
     prompts = [[3 + (i * 7 + j) % 4000 for j in range(8)] for i in range(args.batch)]
 
     def run(variant: str, tokens: int) -> float:
-        llm, cpp = variants[variant]
+        llm, cpp, decoder = variants[variant]
         if cpp is not None:
             for block in moe_blocks(llm):
                 block.use_cpu_kernel = cpp
+        else:
+            dense_runner.fused_decoder = decoder
         start = time.perf_counter()
         outs = llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True),
                             use_tqdm=False)
@@ -102,7 +116,7 @@ def run_ab(args: argparse.Namespace, tmp: Path) -> dict:
     for variant, values in steps.items():
         print(f"{variant}: decode step at batch {args.batch}: median {statistics.median(values) * 1e3:.2f} ms "
               f"(range {min(values) * 1e3:.2f}-{max(values) * 1e3:.2f})")
-    pairs = [(v, "dense") for v in variants if v != "dense"]
+    pairs = [(v, base) for v in variants if v.startswith("moe") for base in ("dense", "dense_eager")]
     if "moe_cpp" in steps and "moe_torch" in steps:
         pairs.append(("moe_cpp", "moe_torch"))
     # and of the fastest rounds: the least disturbed ones, on a shared machine
