@@ -37,10 +37,10 @@ int64_t weight_bytes(const LinearSpec& s) {
 }
 
 // The expert's projection of x into y as strips, or nullptr: it then runs alone.
-std::unique_ptr<ExpertStrips> strips_for(const LinearSpec& s, const at::Tensor& x, const at::Tensor& y, bool silu_mul) {
+std::unique_ptr<ExpertStrips> strips_for(const LinearSpec& s, const at::Tensor& x, const at::Tensor& y, bool silu) {
   if (s.bias.has_value()) return nullptr;
   switch (s.kind) {
-    case LinearSpec::kPacked: return packed_strips(x, s.weight, s.out_features, s.gated, silu_mul, y);
+    case LinearSpec::kPacked: return packed_strips(x, s.weight, s.out_features, s.gated, silu, y);
     case LinearSpec::kQuant:
       return quant_strips(x, s.weight, *s.scales, s.zeros, s.factors, s.group, s.bits, s.max_fused_rows, y);
     case LinearSpec::kDense: return dense_strips(x, s.weight, s.max_fused_rows, y);
