@@ -1,19 +1,24 @@
 """A decode step of a random mixture-of-experts model against a dense one with the same active
-parameters, A/B in one process.
+parameters, and the MoE model's two expert paths on the CPU, A/B in one process.
 
 MoE: Mixtral's layout, 8 experts of intermediate size I, top 2. Dense: Llama, same attention and
-vocabulary, one MLP of intermediate 2 I (the two experts a token runs). A step's time is taken as
-the difference between generating ``--long`` and ``--short`` tokens for ``--batch`` requests with
-the same prompts (the prefill cancels), over rounds that alternate the models; the ratio of the
-medians is printed. One step of the MoE model is also hooked to count each expert's calls per
-layer: every active expert runs once however many tokens chose it.
+vocabulary, one MLP of intermediate 2 I (the two experts a token runs). The MoE model runs its
+experts either in one C++ call per layer ("cpp", layers/csrc/moe.cpp) or one torch call per active
+expert ("torch", KVSERVE_MOE_CPU_KERNEL=0); both are timed on the same loaded model, switched per
+round. The dense model runs its fused C++ decode step ("dense"), which MoE models do not have, and
+also eagerly, one call per op as the MoE model runs ("dense_eager"). A step's time is the difference between generating ``--long`` and ``--short`` tokens for
+``--batch`` requests with the same prompts (the prefill cancels), over rounds that alternate the
+variants; the ratios of the medians are printed. Then each MoE block call of a few steps is checked
+to read every active expert's weights exactly once and no idle expert's (``SparseMoeBlock.bytes_read``).
 
-    python benchmarks/moe_decode.py --dtype bfloat16 --batch 32
+    python benchmarks/moe_decode.py --dtype bfloat16 --batch 32 --num-threads 2 [--quantization int4] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import tempfile
 import time
@@ -23,6 +28,7 @@ from pathlib import Path
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", default=None, help="the models' weights (LLM's quantization option)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--expert-inter", type=int, default=1024)
@@ -30,18 +36,27 @@ def main() -> None:
     parser.add_argument("--short", type=int, default=4)
     parser.add_argument("--long", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="a fixed thread count (default: the engine's, which drops one while others keep a core busy)")
+    parser.add_argument("--experts", default="cpp,torch", help="the MoE expert paths to time: cpp, torch or both")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures to this file")
     args = parser.parse_args()
 
     import kvserve  # noqa: F401  (first: it sets the OpenMP wait policy before torch loads)
 
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="moe-bench-") as tmp:
-        run_ab(args, Path(tmp))
+        result = run_ab(args, Path(tmp))
+    # other processes on the machine: a shared one moves the medians; the fastest rounds less so
+    result["load_average"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
 
 
-def run_ab(args: argparse.Namespace, tmp: Path) -> None:
+def build(args: argparse.Namespace, tmp: Path) -> dict:
     import torch
 
-    from kvserve import LLM, SamplingParams
+    from kvserve import LLM
     from kvserve.bench.random_model import write_random_model
 
     shape = dict(vocab_size=4096, hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=16,
@@ -53,53 +68,103 @@ def run_ab(args: argparse.Namespace, tmp: Path) -> None:
     dense_path = write_random_model(tmp / "dense", "LlamaForCausalLM", dtype=dtype,
                                     intermediate_size=2 * args.expert_inter, **shape)
     options = dict(dtype=args.dtype, num_kv_blocks=64 * args.batch, block_size=16, max_num_seqs=args.batch,
-                   enable_prefix_caching=False)
-    llms = {"moe": LLM(model=str(moe_path), **options), "dense": LLM(model=str(dense_path), **options)}
+                   enable_prefix_caching=False, quantization=args.quantization, num_threads=args.num_threads)
+    return {"moe": LLM(model=str(moe_path), **options), "dense": LLM(model=str(dense_path), **options)}
+
+
+def moe_blocks(llm) -> list:
+    return [layer.mlp for layer in llm.engine.core.runner.model.model.layers]
+
+
+def run_ab(args: argparse.Namespace, tmp: Path) -> dict:
+    from kvserve import SamplingParams
+
+    llms = build(args, tmp)
     for name, llm in llms.items():
-        params = sum(p.numel() for p in llm.engine.core.runner.model.parameters()) + sum(
-            b.numel() for b in llm.engine.core.runner.model.buffers())
+        model = llm.engine.core.runner.model
+        params = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
         print(f"{name}: {params / 1e6:.1f}M stored parameters, fused decoder: "
               f"{llm.engine.core.runner.fused_decoder is not None}")
+    paths = [p for p in args.experts.split(",") if p]
+    # name: (model, C++ experts or not, the fused decode step or not). The MoE model has no fused
+    # step (its layers run eagerly, one call per op); "dense_eager" runs the dense model that way too.
+    dense_runner = llms["dense"].engine.core.runner
+    fused = dense_runner.fused_decoder
+    variants = {"dense": (llms["dense"], None, fused), "dense_eager": (llms["dense"], None, None),
+                **{f"moe_{p}": (llms["moe"], p == "cpp", None) for p in paths}}
     prompts = [[3 + (i * 7 + j) % 4000 for j in range(8)] for i in range(args.batch)]
 
-    def run(llm, tokens: int) -> float:
+    def run(variant: str, tokens: int) -> float:
+        llm, cpp, decoder = variants[variant]
+        if cpp is not None:
+            for block in moe_blocks(llm):
+                block.use_cpu_kernel = cpp
+        else:
+            dense_runner.fused_decoder = decoder
         start = time.perf_counter()
         outs = llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True),
                             use_tqdm=False)
         assert all(len(o.token_ids) == tokens for o in outs)
         return time.perf_counter() - start
 
-    for llm in llms.values():
-        run(llm, args.short)  # warm up
-    steps = {name: [] for name in llms}
+    for variant in variants:
+        run(variant, args.short)  # warm up
+    steps = {variant: [] for variant in variants}
     for _ in range(args.rounds):
-        for name, llm in llms.items():
-            steps[name].append((run(llm, args.long) - run(llm, args.short)) / (args.long - args.short))
-    for name, values in steps.items():
-        print(f"{name}: decode step at batch {args.batch}: median {statistics.median(values) * 1e3:.1f} ms "
-              f"(range {min(values) * 1e3:.1f}-{max(values) * 1e3:.1f})")
-    ratio = statistics.median(steps["moe"]) / statistics.median(steps["dense"])
-    fastest = min(steps["moe"]) / min(steps["dense"])  # the least disturbed rounds, on a shared machine
-    print(f"MoE / dense step time: {ratio:.2f}x of the medians, {fastest:.2f}x of the fastest rounds")
+        for variant in variants:
+            steps[variant].append((run(variant, args.long) - run(variant, args.short)) / (args.long - args.short))
+    for variant, values in steps.items():
+        print(f"{variant}: decode step at batch {args.batch}: median {statistics.median(values) * 1e3:.2f} ms "
+              f"(range {min(values) * 1e3:.2f}-{max(values) * 1e3:.2f})")
+    pairs = [(v, base) for v in variants if v.startswith("moe") for base in ("dense", "dense_eager")]
+    if "moe_cpp" in steps and "moe_torch" in steps:
+        pairs.append(("moe_cpp", "moe_torch"))
+    # and of the fastest rounds: the least disturbed ones, on a shared machine
+    ratios = {f"{a}/{b}": statistics.median(steps[a]) / statistics.median(steps[b]) for a, b in pairs}
+    fastest = {f"{a}/{b}": min(steps[a]) / min(steps[b]) for a, b in pairs}
+    for name, ratio in ratios.items():
+        print(f"{name} step time: {ratio:.2f}x of the medians, {fastest[name]:.2f}x of the fastest rounds")
+    reads = {p: check_reads(llms["moe"], prompts, p == "cpp") for p in paths}
+    return {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "step_ms": {v: [round(s * 1e3, 3) for s in values] for v, values in steps.items()},
+            "median_ms": {v: round(statistics.median(values) * 1e3, 3) for v, values in steps.items()},
+            "ratios": {k: round(v, 3) for k, v in ratios.items()},
+            "ratios_fastest": {k: round(v, 3) for k, v in fastest.items()}, "weight_reads": reads}
 
-    # Every MoE block call (one per layer and step) with its experts hooked: calls per expert.
-    model = llms["moe"].engine.core.runner.model
-    per_call: list[tuple[int, list[int]]] = []  # (tokens, calls per expert)
+
+def check_reads(llm, prompts: list[list[int]], cpp: bool) -> dict:
+    """Every MoE block call of a few steps: how many times each expert's W was read (bytes read over
+    its size), which must be exactly once for the active experts and zero for the others."""
+    import torch
+
+    from kvserve import SamplingParams
+    from kvserve.model.layers.moe_kernel import weight_bytes
+
+    calls: list[tuple[int, list[float]]] = []  # (tokens, reads per expert)
     hooks = []
-    for layer in model.model.layers:
-        block = layer.mlp
-        hooks.append(block.register_forward_pre_hook(lambda m, inputs: per_call.append((inputs[0].shape[0], [0] * 8))))
-        for e, expert in enumerate(block.experts):
-            def count(module, inputs, e=e):
-                per_call[-1][1][e] += 1
-            hooks.append(expert.register_forward_pre_hook(count))
-    llms["moe"].generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
+    for block in moe_blocks(llm):
+        block.use_cpu_kernel = cpp
+        block.bytes_read = torch.zeros(len(block.experts), 2, dtype=torch.long)
+        sizes = torch.tensor([[weight_bytes(e.gate_up_proj), weight_bytes(e.down_proj)] for e in block.experts])
+
+        def record(module, inputs, output, sizes=sizes):
+            calls.append((inputs[0].shape[0], (module.bytes_read / sizes).flatten().tolist()))
+            module.bytes_read.zero_()
+        hooks.append(block.register_forward_hook(record))
+    llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
     for h in hooks:
         h.remove()
-    for tokens, counts in per_call:
-        print(f"MoE block over {tokens} tokens: expert matmul calls {counts}")
-    assert all(c <= 1 for _, counts in per_call for c in counts), "an expert ran more than once in a step"
-    print(f"every active expert ran once per block call ({len(per_call)} calls)")
+    for block in moe_blocks(llm):
+        block.bytes_read = None
+    path = "C++ call" if cpp else "torch calls"
+    active = [sum(r > 0 for r in reads) // 2 for _, reads in calls]
+    print(f"{path}: {len(calls)} MoE block calls over {sorted({t for t, _ in calls})} tokens, "
+          f"{min(active)}-{max(active)} active experts each")
+    assert all(r in (0.0, 1.0) for _, reads in calls for r in reads), "an expert's weights were read more or less than once"
+    assert all(reads[2 * e] == reads[2 * e + 1] for _, reads in calls for e in range(len(reads) // 2))
+    print(f"{path}: every active expert's gate_up and down read exactly once per block call, idle ones not at all")
+    return {"block_calls": len(calls), "active_experts": [min(active), max(active)], "each_read_once": True}
+
 
 if __name__ == "__main__":
     main()

@@ -31,6 +31,7 @@ _SOURCES = [
     _MODEL / "csrc" / "module.cpp",
     _MODEL / "layers" / "csrc" / "elementwise.cpp",
     _MODEL / "layers" / "csrc" / "packed_linear.cpp",
+    _MODEL / "layers" / "csrc" / "moe.cpp",
     _MODEL / "quant" / "csrc" / "quant_linear.cpp",
     _MODEL / "attention" / "csrc" / "kv_write.cpp",
     _MODEL / "attention" / "csrc" / "paged_decode.cpp",

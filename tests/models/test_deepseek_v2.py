@@ -115,3 +115,13 @@ def test_int8_keeps_the_router_float32_and_kv_b_dense(tmp_path):
                                                                          ignore_eos=True), use_tqdm=False)
     assert all(len(o.token_ids) == 8 for o in outs)
     assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("option, value", [("kv_cache_dtype", "int8"), ("kv_cache_dtype", "fp8"),
+                                           ("tensor_parallel_size", 2)])
+def test_unsupported_options_fail_at_start_up(tmp_path, option, value):
+    """A quantized latent cache or tensor parallelism: a ValueError naming the option at start-up."""
+    arch, overrides = VARIANTS["v2_lite"]
+    path = make_tiny_model(tmp_path, arch, **overrides)
+    with pytest.raises(ValueError, match=f"{option}={value!r}"):
+        LLM(model=str(path), num_kv_blocks=64, block_size=4, **{option: value})

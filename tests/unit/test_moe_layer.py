@@ -1,5 +1,6 @@
 """The MoE block (model/layers/moe.py): routing equals transformers' routers, the grouped expert
-computation equals transformers' sparse blocks, and each active expert runs once per forward."""
+computation equals transformers' sparse blocks, and each active expert runs once per forward
+(its weights read once, on the C++ path too)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from kvserve.config import MoeConfig
 from kvserve.model.layers.moe import SparseMoeBlock, route
+from kvserve.model.layers.moe_kernel import weight_bytes
 
 HIDDEN = 32
 
@@ -74,9 +76,16 @@ def test_block_matches_transformers(case, dtype):
         torch.testing.assert_close(ours(x[0]), hf(x)[0], **tol)
 
 
-def test_each_active_expert_runs_once_per_forward():
+@pytest.mark.parametrize("cpp", [False, True], ids=["torch", "cpp"])
+def test_each_active_expert_runs_once_per_forward(cpp):
+    """Torch path: one call per active expert, none for idle ones. Both paths (the C++ call has no
+    per-expert calls to hook): each active expert's weights read once, idle ones' not at all."""
     moe = MoeConfig(8, 2, 48)
     block = SparseMoeBlock(HIDDEN, moe, torch.float32)
+    block.use_cpu_kernel = cpp
+    x = torch.randn(32, HIDDEN)  # a decode step at batch 32
+    if cpp and block._kernel_for(x) is None:
+        pytest.skip("the C++ kernels are not built here")
     torch.manual_seed(1)
     with torch.no_grad():
         for p in block.parameters():
@@ -88,14 +97,17 @@ def test_each_active_expert_runs_once_per_forward():
             calls[e] += 1
             rows[e] += args[0].shape[0]
         expert.register_forward_pre_hook(hook)
-    x = torch.randn(32, HIDDEN)  # a decode step at batch 32
+    block.bytes_read = torch.zeros(moe.num_experts, 2, dtype=torch.long)
     with torch.no_grad():
         _, ids = route(block.gate(x), moe)
         block(x)
     chosen = torch.bincount(ids.flatten(), minlength=moe.num_experts).tolist()
-    assert rows == chosen  # every (token, expert) pair went to its expert
-    assert calls == [1 if n else 0 for n in chosen]  # one matmul per active expert, none for idle ones
-    assert sum(calls) >= 2
+    if not cpp:
+        assert rows == chosen  # every (token, expert) pair went to its expert
+        assert calls == [1 if n else 0 for n in chosen]  # one matmul per active expert, none for idle ones
+    sizes = torch.tensor([[weight_bytes(e.gate_up_proj), weight_bytes(e.down_proj)] for e in block.experts])
+    assert torch.equal(block.bytes_read, sizes * (torch.tensor(chosen) > 0)[:, None])
+    assert sum(n > 0 for n in chosen) >= 2
 
 
 def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers():

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <type_traits>
 #include <tuple>
@@ -81,6 +82,21 @@ at::Tensor filtered_probs(const at::Tensor& x, const at::Tensor& temperatures,
 std::tuple<at::Tensor, at::Tensor, at::Tensor> row_logprobs(const at::Tensor& x, const at::Tensor& rows,
                                                             const at::Tensor& targets, int64_t num_top);
 
+// One expert's projection y = x W^T, cut into units of W's output channels that threads compute
+// apart: the MoE kernel (layers/csrc/moe.cpp) spreads (expert, units) items of every active expert
+// over the threads in one parallel region. x is prepared (converted, quantized) once, when the
+// object is made; every channel comes out bitwise as the whole-layer kernel computes it.
+class ExpertStrips {
+ public:
+  virtual ~ExpertStrips() = default;
+  virtual void run(int64_t u0, int64_t u1) const = 0;  // units [u0, u1) for every row of x
+  virtual void finish() {}                             // once, after every unit has run
+  int64_t units = 0;
+  int64_t unit_bytes = 0;    // bytes of W one unit reads (the last unit may read less)
+  int64_t weight_bytes = 0;  // bytes of W in all
+  int64_t bytes(int64_t u0, int64_t u1) const { return std::min(u1 * unit_bytes, weight_bytes) - u0 * unit_bytes; }
+};
+
 // quant/csrc/quant_linear.cpp
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& zeros, const c10::optional<at::Tensor>& factors,
@@ -92,6 +108,14 @@ at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const
 bool has_amx();
 bool has_int8_activations();  // few-row int4/int8 kernels quantize bf16/fp16 x to int8 (AVX512-VNNI)
 int64_t vector_bits();        // the kernels' vector width: 512 (AVX-512), 256 (AVX2 + FMA + F16C) or 0 (scalar)
+// quant_linear's and dense_linear's few-row paths as ExpertStrips writing y (x's dtype, [M, N]
+// contiguous), or nullptr where x has more rows than max_fused_rows (the whole-layer call then).
+std::unique_ptr<ExpertStrips> quant_strips(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                                           const c10::optional<at::Tensor>& zeros,
+                                           const c10::optional<at::Tensor>& factors, int64_t group, int64_t bits,
+                                           int64_t max_fused_rows, const at::Tensor& y);
+std::unique_ptr<ExpertStrips> dense_strips(const at::Tensor& x, const at::Tensor& weight, int64_t max_fused_rows,
+                                           const at::Tensor& y);
 
 // layers/csrc/packed_linear.cpp: dense bf16 W in the AMX tile layout [N / 16, K / 32, 16, 32];
 // gated: W = [W_gate; W_up], packed so that the kernel can also write SiLU(gate) * up [M, N / 2].
@@ -99,6 +123,10 @@ bool packed_linear_supported();  // AVX512-BF16 (or AMX), or AVX2 + FMA with flo
 bool native_bf16();              // bf16 products in hardware (AVX512-BF16 / AMX): what dtype "auto" asks
 at::Tensor pack_bf16_weight(const at::Tensor& weight, bool gated);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool gated, bool silu_mul);
+// packed_linear as ExpertStrips writing y ([M, N] or [M, N / 2] for silu_mul, contiguous), or
+// nullptr for more rows than one pass over W serves (AMX tiles past 8 rows; blocks of rows past 128).
+std::unique_ptr<ExpertStrips> packed_strips(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool gated,
+                                            bool silu_mul, const at::Tensor& y);
 
 // attention/csrc/paged_decode.cpp
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -130,6 +158,22 @@ struct LinearSpec {
   bool gated = false;                            // kPacked: packed as gated (can write SiLU(gate) * up)
   at::Tensor apply(const at::Tensor& x) const;
   at::Tensor apply_silu_mul(const at::Tensor& x) const;  // SiLU(gate) * up of apply(x), a gated layer's use
+};
+
+// layers/csrc/moe.cpp: the routed experts of a mixture-of-experts layer, down_e(SiLU(gate_e) * up_e).
+class MoeExperts {
+ public:
+  MoeExperts(std::vector<LinearSpec> gate_up, std::vector<LinearSpec> down);
+  // x [T, H]; ids, weights [T, k]: each token's experts and their router weights. Returns
+  // sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) [T, H], bitwise the per-expert torch path of
+  // layers/moe.py: each expert's rows as its own LinearSpec calls compute them, weighted and summed
+  // with torch's roundings. bytes_read ([E, 2] int64, optional): each expert's gate_up and down
+  // bytes of W read are added.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids,
+                     const c10::optional<at::Tensor>& bytes_read) const;
+
+ private:
+  std::vector<LinearSpec> gate_up_, down_;
 };
 
 struct LayerSpec {

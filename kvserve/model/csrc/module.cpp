@@ -63,6 +63,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return LayerSpec{std::move(qkv), std::move(o), std::move(gate_up), std::move(down), std::move(input_norm),
                          std::move(post_norm), std::move(q_norm), std::move(k_norm)};
       }));
+  py::class_<MoeExperts>(m, "MoeExperts", py::module_local())
+      .def(py::init<std::vector<LinearSpec>, std::vector<LinearSpec>>(), py::arg("gate_up"), py::arg("down"))
+      .def("__call__", &MoeExperts::forward,
+           "sum over each token's experts of weight * down(SiLU(gate) * up) of its row of x (CPU)",
+           py::arg("x"), py::arg("weights"), py::arg("ids"), py::arg("bytes_read") = py::none(), no_gil);
   py::class_<LlamaDecoder>(m, "LlamaDecoder", py::module_local())
       .def(py::init<std::vector<LayerSpec>, at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>, int64_t,
                     int64_t, int64_t, double, double, int64_t, std::vector<int64_t>>())

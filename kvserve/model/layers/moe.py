@@ -5,7 +5,9 @@ weighted by the router.
 Routing follows transformers exactly (``route``). The experts run grouped: a step's (token, expert)
 pairs are sorted by expert, each active expert multiplies its tokens in one matmul, and the results
 are scattered back, so every expert's weights are read once per step, however many tokens chose it.
-Each expert is a pair of ordinary ``Linear`` layers, so the quantization methods apply to them.
+Each expert is a pair of ordinary ``Linear`` layers, so the quantization methods apply to them. On
+the CPU all experts of a block run in one C++ call (moe_kernel.py); elsewhere, and for gpt-oss's
+experts, one torch call per active expert.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from kvserve.config import MoeConfig
 from kvserve.model.layers.linear import Linear
+from kvserve.model.layers.moe_kernel import cpu_kernel_wanted, experts_kernel, weight_bytes
 
 
 class GatedMLP(torch.nn.Module):
@@ -127,6 +130,12 @@ class SparseMoeBlock(torch.nn.Module):
         self.e_score_correction_bias = None
         if moe.scoring == "sigmoid":
             self.e_score_correction_bias = torch.nn.Parameter(torch.zeros(moe.num_experts), requires_grad=False)
+        # The experts' C++ call (moe_kernel.py), made at the first forward on the CPU, once loaded.
+        self.use_cpu_kernel = cpu_kernel_wanted()
+        self._cpu_kernel, self._cpu_kernel_made = None, False
+        # [experts, 2] int64 or None: if set, the bytes of W each expert's gate_up and down read in a
+        # forward are added to it (tests and benchmarks check that each active expert reads its W once)
+        self.bytes_read: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x.float() if self.moe.float32_router else x)
@@ -142,17 +151,36 @@ class SparseMoeBlock(torch.nn.Module):
         """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, one matmul per active expert.
 
         The pairs are sorted by expert (stably, so each token's terms are added in ascending expert
-        order, as transformers adds them) and summed into zeros with one ``index_add_``."""
+        order, as transformers adds them) and summed into zeros with one ``index_add_``. The C++ call
+        does all of it, bitwise the same."""
+        kernel = self._kernel_for(x)
+        if kernel is not None:
+            return kernel(x.contiguous(), weights, ids.contiguous(), self.bytes_read)
         flat_ids = ids.flatten()
         order = torch.argsort(flat_ids, stable=True)
         token_of = order // self.top_k
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # one host sync per layer
-        gathered = x[token_of]
+        y = self._experts_in_torch(x[token_of], counts)
+        y = (y * weights.flatten()[order, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of, y)
+
+    def _experts_in_torch(self, gathered: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Each active expert called on its rows of ``gathered`` (sorted by expert, ``counts`` each)."""
         y = torch.empty_like(gathered)
         start = 0
-        for expert, count in zip(self.experts, counts):
+        for e, (expert, count) in enumerate(zip(self.experts, counts)):
             if count:
                 y[start:start + count] = expert(gathered[start:start + count])
                 start += count
-        y = (y * weights.flatten()[order, None]).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token_of, y)
+                if self.bytes_read is not None:
+                    self.bytes_read[e, 0] += weight_bytes(expert.gate_up_proj)
+                    self.bytes_read[e, 1] += weight_bytes(expert.down_proj)
+        return y
+
+    def _kernel_for(self, x: torch.Tensor):
+        """The experts' C++ call for x, or None (the torch path)."""
+        if not self.use_cpu_kernel or x.device.type != "cpu":
+            return None
+        if not self._cpu_kernel_made:
+            self._cpu_kernel, self._cpu_kernel_made = experts_kernel(self.experts), True
+        return self._cpu_kernel

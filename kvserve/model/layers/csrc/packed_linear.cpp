@@ -514,6 +514,81 @@ void avx2_linear(const at::Tensor& x, const uint16_t* w, const Output& out) {
 }  // namespace
 #endif  // KVSERVE_BF16 / KVSERVE_AVX2
 
+// ---- one expert's projection in units of strip pairs (ExpertStrips, for layers/csrc/moe.cpp) --------
+// packed_linear's row loops over a range of W's strips. Every channel's sum runs in the same order
+// whatever rows and strips share a call, so each unit's channels are bitwise packed_linear's.
+#if defined(KVSERVE_BF16)
+namespace {
+
+class PackedStrips final : public ExpertStrips {
+ public:
+  PackedStrips(const at::Tensor& x, const uint16_t* w, const Output& out)
+      : x_(static_cast<const uint16_t*>(x.data_ptr())), w_(w), out_(out), m_(x.size(0)), k_(x.size(1)),
+        strips_((out.n + 15) / 16) {}
+  void run(int64_t p0, int64_t p1) const override {
+    const int64_t s0 = 2 * p0, s1 = std::min(2 * p1, strips_);
+    if (m_ <= kMaxVectorRowsBeforeAmx) {  // W streams once, all rows against each strip (vector_linear)
+      with_few_rows<kMaxVectorRowsBeforeAmx>(m_, [&](auto mb) {
+        vector_rows<decltype(mb)::value>(w_, x_, k_, out_, 0, s0, s1);
+      });
+      return;
+    }
+    // As vector_linear_passes: every row passes over four strips while the next four are prefetched.
+    const int64_t strip_values = k_ / 32 * kTile;
+    for (int64_t s = s0; s < s1; s += 4) {
+      const int64_t e = std::min(s1, s + 4);
+      Prefetch pf{reinterpret_cast<const char*>(w_ + e * strip_values),
+                  reinterpret_cast<const char*>(w_ + std::min(s1, e + 4) * strip_values), kPrefetchLinesPerStep};
+      for (int64_t r = 0; r < m_; r += kVectorRows)
+        with_few_rows<kVectorRows>(m_ - r, [&](auto mb) {
+          vector_rows<decltype(mb)::value>(w_, x_ + r * k_, k_, out_, r, s, e, &pf);
+        });
+    }
+  }
+
+ private:
+  const uint16_t* x_;
+  const uint16_t* w_;
+  Output out_;
+  int64_t m_, k_, strips_;
+};
+
+// Rows that packed_linear sums in another order (AMX tiles), or that its blocks of rows serve better
+// than one pass over W's strips: the expert then runs alone, through packed_linear.
+bool packed_rows_elsewhere(int64_t m) {
+#if defined(KVSERVE_AMX)
+  if (simd::amx_ready() && m > kMaxVectorRowsBeforeAmx) return true;
+#endif
+  return m > kPassRows;
+}
+
+}  // namespace
+#elif defined(KVSERVE_AVX2)
+namespace {
+
+class PackedStrips final : public ExpertStrips {
+ public:
+  PackedStrips(const at::Tensor& x, const uint16_t* w, const Output& out)
+      : x32_(x.to(at::kFloat).contiguous()), w_(w), out_(out), strips_((out.n + 15) / 16) {}
+  void run(int64_t p0, int64_t p1) const override {
+    const int64_t m = x32_.size(0), k = x32_.size(1), s0 = 2 * p0, s1 = std::min(2 * p1, strips_);
+    for (int64_t r0 = 0; r0 < m; r0 += kBlockRows)  // avx2_linear's blocks of rows
+      rows_by_strips(x32_.data_ptr<float>(), k, w_, out_, r0, std::min(m, r0 + kBlockRows), s0, s1);
+  }
+
+ private:
+  at::Tensor x32_;
+  const uint16_t* w_;
+  Output out_;
+  int64_t strips_;
+};
+
+// Past two of avx2_linear's blocks of rows, its items of (rows, strips) serve better.
+bool packed_rows_elsewhere(int64_t m) { return m > 2 * kBlockRows; }
+
+}  // namespace
+#endif
+
 bool packed_linear_supported() {
 #if defined(KVSERVE_BF16) || defined(KVSERVE_AVX2)
   return true;
@@ -587,4 +662,31 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   avx2_linear(x, static_cast<const uint16_t*>(packed.data_ptr()), Output{y.data_ptr<c10::BFloat16>(), n, gated, silu_mul});
 #endif
   return y;
+}
+
+std::unique_ptr<ExpertStrips> packed_strips(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool gated,
+                                            bool silu_mul, const at::Tensor& y) {
+  TORCH_CHECK(packed_linear_supported(), "the packed bf16 layout needs AVX512-BF16 or AVX2");
+  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
+                  packed.size(2) == 16 && packed.size(3) == 32 && n > 0 && (n + 15) / 16 == packed.size(0),
+              "packed must be pack_bf16_weight's [N / 16, K / 32, 16, 32] of an [n, K] weight");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(1) == packed.size(1) * 32,
+              "x must be a contiguous bfloat16 [M, K] matrix, K = ", packed.size(1) * 32);
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0, "packed must start on a cache line");
+  TORCH_CHECK(gated || !silu_mul, "silu_mul needs a weight packed as gated");
+  TORCH_CHECK(y.is_contiguous() && y.scalar_type() == at::kBFloat16 && y.size(0) == x.size(0) &&
+                  y.size(1) == (silu_mul ? n / 2 : n),
+              "y must be a contiguous bfloat16 [M, N] matrix ([M, N / 2] for silu_mul)");
+#if defined(KVSERVE_BF16) || defined(KVSERVE_AVX2)
+  if (x.size(0) == 0 || packed_rows_elsewhere(x.size(0))) return nullptr;
+  auto out = std::make_unique<PackedStrips>(x, static_cast<const uint16_t*>(packed.data_ptr()),
+                                            Output{y.data_ptr<c10::BFloat16>(), n, gated, silu_mul});
+  const int64_t strips = packed.size(0);
+  out->units = (strips + 1) / 2;
+  out->weight_bytes = packed.nbytes();
+  out->unit_bytes = 2 * (packed.nbytes() / strips);
+  return out;
+#else
+  return nullptr;
+#endif
 }

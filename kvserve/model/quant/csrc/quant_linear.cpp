@@ -1059,3 +1059,196 @@ bool has_amx() {
   return false;
 #endif
 }
+
+// ---- one expert's projection in units of W's rows (ExpertStrips, for layers/csrc/moe.cpp) ----------
+// quant_linear's few-row paths with x prepared once, as the whole-layer calls above prepare it, and
+// W's rows cut into units of kStripRows that threads compute apart. Each row of W is summed in the
+// same order whatever unit it falls in (the VNNI kernels take 4 rows of W per pass from the unit's
+// start, as from the start of a parallel piece), so every channel is bitwise quant_linear's.
+namespace {
+
+constexpr int64_t kStripRows = 16;
+
+// Sizes `s` for a weight of n rows taking `bytes` in all (every row the same share).
+void set_units(ExpertStrips& s, int64_t n, int64_t bytes) {
+  s.units = (n + kStripRows - 1) / kStripRows;
+  s.unit_bytes = bytes / n * kStripRows;
+  s.weight_bytes = bytes;
+}
+
+int64_t tensor_bytes(const c10::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? t->nbytes() : 0;
+}
+
+// The fused dequantize + dot loop (fused<BITS>): float32 x, float32 sums, rounded to y's dtype at the end.
+template <int BITS>
+class FusedStrips final : public ExpertStrips {
+ public:
+  FusedStrips(const QuantWeight& w, const at::Tensor& x, const at::Tensor& y)
+      : w_(w), x32_(x.to(at::kFloat).contiguous()), y_(y), group_of_(half_chunk_groups(w)) {
+    y32_ = y.scalar_type() == at::kFloat ? y : at::empty({x.size(0), w.n}, x32_.options());
+  }
+  void run(int64_t u0, int64_t u1) const override {
+    const int64_t m = x32_.size(0), n0 = u0 * kStripRows, n1 = std::min(w_.n, u1 * kStripRows);
+    const float* xp = x32_.data_ptr<float>();
+    float* yp = y32_.data_ptr<float>();
+    for (int64_t m0 = 0; m0 < m; m0 += kFusedRows)
+      fused_block<BITS>(w_, group_of_.data(), xp + m0 * w_.k, w_.k, std::min<int64_t>(kFusedRows, m - m0), n0, n1,
+                        yp + m0 * w_.n, w_.n);
+  }
+  void finish() override {
+    if (!y32_.is_same(y_)) y_.copy_(y32_);
+  }
+
+ private:
+  QuantWeight w_;
+  at::Tensor x32_, y_, y32_;
+  std::vector<int32_t> group_of_;
+};
+
+#if defined(KVSERVE_VNNI)
+// int4_fused: x quantized to int8 blocks once, as int4_fused does.
+template <typename T, bool CODED, bool SPLIT>
+class Int4Strips final : public ExpertStrips {
+ public:
+  Int4Strips(const QuantWeight& w, const at::Tensor& x, const at::Tensor& y)
+      : w_(w), m_(x.size(0)), blocks_((w.k / 32 + 3) / 4), gpad_((w.groups() + 15) / 16 * 16),
+        y_(y.data_ptr<T>()) {
+    const int64_t lane_vecs = blocks_ * sizeof(BlockLanes) / 64, x_vecs = m_ * blocks_ * sizeof(QBlock) / 64;
+    scratch_.resize(lane_vecs + x_vecs + m_ * gpad_ / 16);
+    lanes_ = reinterpret_cast<BlockLanes*>(scratch_.data());
+    xq_ = reinterpret_cast<QBlock*>(scratch_.data() + lane_vecs);
+    xsum_ = reinterpret_cast<float*>(scratch_.data() + lane_vecs + x_vecs);
+    block_lanes(w, lanes_, blocks_);
+    const T* xp = x.data_ptr<T>();
+    for (int64_t r = 0; r < m_; ++r)
+      quantize_x(xp + r * w.k, w.k, w.group, blocks_, xq_ + r * blocks_, xsum_ + r * gpad_, gpad_);
+  }
+  void run(int64_t u0, int64_t u1) const override {
+    const int64_t n0 = u0 * kStripRows, n1 = std::min(w_.n, u1 * kStripRows);
+    for (int64_t m0 = 0; m0 < m_; m0 += kVnniRows)
+      with_few_rows<kVnniRows>(std::min<int64_t>(kVnniRows, m_ - m0), [&](auto mb) {
+        int4_block<T, CODED, SPLIT, decltype(mb)::value>(w_, lanes_, blocks_, xq_ + m0 * blocks_, xsum_ + m0 * gpad_,
+                                                         gpad_, n0, n1, y_ + m0 * w_.n, w_.n);
+      });
+  }
+
+ private:
+  QuantWeight w_;
+  int64_t m_, blocks_, gpad_;
+  T* y_;
+  std::vector<__m512i> scratch_;
+  BlockLanes* lanes_;
+  QBlock* xq_;
+  float* xsum_;
+};
+
+template <typename T>
+std::unique_ptr<ExpertStrips> int4_strips(const QuantWeight& w, const at::Tensor& x, const at::Tensor& y) {
+  const bool split = w.group % 32 != 0;
+  if (w.factors) {
+    if (split) return std::make_unique<Int4Strips<T, true, true>>(w, x, y);
+    return std::make_unique<Int4Strips<T, true, false>>(w, x, y);
+  }
+  if (split) return std::make_unique<Int4Strips<T, false, true>>(w, x, y);
+  return std::make_unique<Int4Strips<T, false, false>>(w, x, y);
+}
+
+// int8_fused: its lane table and x offset by 128, built as int8_fused builds them.
+template <typename T>
+class Int8Strips final : public ExpertStrips {
+ public:
+  Int8Strips(const QuantWeight& w, const at::Tensor& x, const at::Tensor& y)
+      : w_(w), m_(x.size(0)), blocks_((w.k + 63) / 64), gpad_((w.groups() + 15) / 16 * 16), y_(y.data_ptr<T>()),
+        xq_(m_) {
+    const int64_t lane_vecs = blocks_ * sizeof(Int8Block) / 64;
+    scratch_.resize(lane_vecs + m_ * 2 * blocks_ + m_ * gpad_ / 16);
+    lanes_ = reinterpret_cast<Int8Block*>(scratch_.data());
+    xsum_ = reinterpret_cast<float*>(scratch_.data() + lane_vecs + m_ * 2 * blocks_);
+    for (int64_t b = 0; b < blocks_; ++b) {
+      Int8Block& L = lanes_[b];
+      L.g0 = static_cast<int32_t>(64 * b / w.group);
+      const int64_t end = std::min(w.groups(), (std::min(64 * b + 64, w.k) - 1) / w.group + 1);
+      L.pmask = static_cast<__mmask8>((1u << (end - L.g0)) - 1);
+      const int64_t bytes = std::min<int64_t>(64, w.k - 64 * b);
+      L.wmask = bytes == 64 ? ~0ull : (1ull << bytes) - 1;
+      for (int i = 0; i < 16; ++i)
+        L.group[i] = 64 * b + 4 * i < w.k ? static_cast<int32_t>((64 * b + 4 * i) / w.group - L.g0) : 0;
+    }
+    const T* xp = x.data_ptr<T>();
+    for (int64_t r = 0; r < m_; ++r) {
+      __m512i* row = scratch_.data() + lane_vecs + r * 2 * blocks_;
+      xq_[r] = Int8X{reinterpret_cast<uint8_t*>(row), reinterpret_cast<float*>(row + blocks_)};
+      quantize_x_u8(xp + r * w.k, w.k, w.group, blocks_, xq_[r], xsum_ + r * gpad_, gpad_);
+    }
+  }
+  void run(int64_t u0, int64_t u1) const override {
+    const int64_t n0 = u0 * kStripRows, n1 = std::min(w_.n, u1 * kStripRows), n4 = n0 + (n1 - n0) / 4 * 4;
+    for (int64_t m0 = 0; m0 < m_; m0 += kVnniRows)
+      with_few_rows<kVnniRows>(std::min<int64_t>(kVnniRows, m_ - m0), [&](auto mb) {
+        constexpr int MB = decltype(mb)::value;
+        const Int8X* xm = xq_.data() + m0;
+        const float* sm = xsum_ + m0 * gpad_;
+        int8_rows<T, MB, vnni_w_rows(MB)>(w_, lanes_, blocks_, xm, sm, gpad_, n0, n4, y_ + m0 * w_.n, w_.n);
+        int8_rows<T, MB, 1>(w_, lanes_, blocks_, xm, sm, gpad_, n4, n1, y_ + m0 * w_.n, w_.n);
+      });
+  }
+
+ private:
+  QuantWeight w_;
+  int64_t m_, blocks_, gpad_;
+  T* y_;
+  std::vector<__m512i> scratch_;
+  Int8Block* lanes_;
+  float* xsum_;
+  std::vector<Int8X> xq_;
+};
+#endif
+
+}  // namespace
+
+// The same dispatch as quant_linear's first branch (x.size(0) <= max_fused_rows).
+std::unique_ptr<ExpertStrips> quant_strips(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                                           const c10::optional<at::Tensor>& zeros,
+                                           const c10::optional<at::Tensor>& factors, int64_t group, int64_t bits,
+                                           int64_t max_fused_rows, const at::Tensor& y) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] matrix");
+  const at::Tensor q = qweight.scalar_type() == at::kChar ? qweight.view(at::kByte) : qweight;
+  const QuantWeight w = check_weight(q, scales, zeros, factors, group, bits);
+  TORCH_CHECK(x.size(1) == w.k, "x has ", x.size(1), " features, the weight ", w.k);
+  TORCH_CHECK(y.is_contiguous() && y.scalar_type() == x.scalar_type() && y.size(0) == x.size(0) && y.size(1) == w.n,
+              "y must be a contiguous [M, N] matrix of x's dtype");
+  if (x.size(0) == 0 || x.size(0) > max_fused_rows) return nullptr;
+  std::unique_ptr<ExpertStrips> out;
+#if defined(KVSERVE_VNNI)
+  if (bits == 4 && x.scalar_type() == at::kBFloat16) out = int4_strips<c10::BFloat16>(w, x, y);
+  else if (bits == 4 && x.scalar_type() == at::kHalf) out = int4_strips<c10::Half>(w, x, y);
+  else if (bits == 8 && !w.factors && w.k % 32 == 0 && x.scalar_type() == at::kBFloat16)
+    out = std::make_unique<Int8Strips<c10::BFloat16>>(w, x, y);
+  else if (bits == 8 && !w.factors && w.k % 32 == 0 && x.scalar_type() == at::kHalf)
+    out = std::make_unique<Int8Strips<c10::Half>>(w, x, y);
+#endif
+  if (!out) {
+    if (bits == 4) out = std::make_unique<FusedStrips<4>>(w, x, y);
+    else out = std::make_unique<FusedStrips<8>>(w, x, y);
+  }
+  set_units(*out, w.n, q.nbytes() + scales.nbytes() + tensor_bytes(zeros) + tensor_bytes(factors));
+  return out;
+}
+
+// dense_linear's fused loop (x.size(0) <= max_fused_rows).
+std::unique_ptr<ExpertStrips> dense_strips(const at::Tensor& x, const at::Tensor& weight, int64_t max_fused_rows,
+                                           const at::Tensor& y) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] matrix");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16,
+              "weight must be a contiguous bfloat16 [N, K] matrix");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(x.size(1) == k && k % 32 == 0, "x has ", x.size(1), " features, the weight ", k, " (a multiple of 32)");
+  TORCH_CHECK(y.is_contiguous() && y.scalar_type() == x.scalar_type() && y.size(0) == x.size(0) && y.size(1) == n,
+              "y must be a contiguous [M, N] matrix of x's dtype");
+  if (x.size(0) == 0 || x.size(0) > max_fused_rows) return nullptr;
+  const QuantWeight w{static_cast<const uint8_t*>(weight.data_ptr()), nullptr, nullptr, nullptr, n, k, k};
+  auto out = std::make_unique<FusedStrips<16>>(w, x, y);
+  set_units(*out, n, weight.nbytes());
+  return out;
+}
