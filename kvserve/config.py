@@ -21,6 +21,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 QUANTIZATIONS = ("none", "int8", "int4")
 QUANT_GROUP_SIZES = (-1, 32, 64, 128)  # -1: one scale per output channel (int8 only)
+ACTIVATION_QUANTIZATIONS = ("auto", "int8", "none")
 
 
 def option(default: Any = None, help: str = "", *, name: str | None = None, choices: tuple | None = None,
@@ -481,12 +482,25 @@ class QuantConfig:
     "int8": weight-only int8, a scale per ``group_size`` inputs (default 32; -1 = per output channel).
     "int4": weight-only int4 with zero points per ``group_size`` inputs (default 32; see quant/plan.py).
     Both round to nearest at load.
+
+    ``activation_quantization``: how the CPU's int4 / int8 linears take a few rows of x (decode,
+    speculative verification, small batches). "int8": x is quantized to int8 per 32 inputs (step
+    amax / 127) and multiplied with the weights' bytes in integer SIMD (AVX512-VNNI, or AVX2's
+    vpmaddubsw), about the error of the weights' own 8-bit neighbour; "none": each weight is
+    dequantized to float and x stays as it is, exact to float rounding. "auto": int8, except when
+    ``dtype="float32"`` was asked for explicitly: that run is what quality comparisons use, while
+    dtype "auto" picks float32 only because the CPU lacks bf16 and wants the fast path.
+    ``int8_activations`` resolves it against the dtype option as given.
     """
 
     quantization: str | None = option(None, "weights: unset keeps a GGUF file's own 4/8-bit blocks; none = dense "
                                       "in the engine dtype; int8 / int4 quantized at load", choices=QUANTIZATIONS)
     group_size: int | None = option(None, "inputs per scale for int8/int4 (default 32); -1 = one scale per output "
                                     "channel (int8)", name="quantization_group_size", choices=QUANT_GROUP_SIZES)
+    activation_quantization: str = option("auto", "int4/int8 linears on the CPU, few rows of x (decode): int8 = x "
+                                          "quantized to int8 per 32 inputs and multiplied in integers (fast); none "
+                                          "= x kept float, weights dequantized (exact); auto = int8 unless "
+                                          "--dtype float32 is given", choices=ACTIVATION_QUANTIZATIONS)
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -498,6 +512,16 @@ class QuantConfig:
             raise ValueError(f"quantization_group_size={self.group_size} needs quantization='int8' or 'int4'")
         if self.group_size == -1 and self.quantization != "int8":
             raise ValueError("quantization_group_size=-1 (one scale per output channel) is for quantization='int8'")
+        if self.activation_quantization not in ACTIVATION_QUANTIZATIONS:
+            raise ValueError(f"activation_quantization={self.activation_quantization!r} must be one of "
+                             f"{list(ACTIVATION_QUANTIZATIONS)}")
+
+    def int8_activations(self, dtype: str) -> bool:
+        """Whether quantized linears take int8 x, for the engine's ``dtype`` option as the user gave it
+        ("auto" before it is resolved): see ``activation_quantization``."""
+        if self.activation_quantization == "auto":
+            return dtype != "float32"
+        return self.activation_quantization == "int8"
 
 
 SCHEDULING_POLICIES = ("fcfs", "shortest-first")

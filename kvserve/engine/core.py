@@ -102,6 +102,9 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.model_path = resolve_model_path(config.model)
         device = torch.device(config.device)
+        # Both "auto"s resolved together: activation quantization follows the dtype option as given.
+        activations = "int8" if config.quant.int8_activations(config.dtype) else "none"
+        config = dataclasses.replace(config, quant=dataclasses.replace(config.quant, activation_quantization=activations))
         if config.dtype == "auto":
             config = dataclasses.replace(config, dtype=auto_dtype(self.model_path, device))
             log.info("dtype: %s (auto)", config.dtype)
@@ -112,7 +115,8 @@ class EngineCore:
         model, self.model_config = load_model(self.model_path, config.torch_dtype, device,
                                               config.quant.quantization, config.quant.group_size,
                                               config.scheduler.max_model_len,
-                                              shard=TensorShard(0, tp) if tp > 1 else None)
+                                              shard=TensorShard(0, tp) if tp > 1 else None,
+                                              int8_activations=activations == "int8")
         self.kv_layout = self._kv_layout(model, config)
         self.kv_info = size_kv_cache(config, self.model_config, self.kv_layout)
         self.memory = MemoryReport.of(model, self.kv_info, config)

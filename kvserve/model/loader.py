@@ -97,7 +97,7 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantization: str | None = None,
                group_size: int | None = None, max_model_len: int | None = None,
-               shard: TensorShard | None = None) -> tuple[torch.nn.Module, ModelConfig]:
+               shard: TensorShard | None = None, int8_activations: bool = True) -> tuple[torch.nn.Module, ModelConfig]:
     """Build the registered model class for the checkpoint and fill every parameter.
 
     ``quantization`` / ``group_size``: see kvserve.model.quant.plan (None keeps a GGUF file's own
@@ -105,6 +105,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
     config's ``max_position``: the RoPE tables need no more, and LongRoPE picks its factors by it.
     ``shard``: build and fill only this tensor-parallel rank's part (model/sharding.py); the model's
     own config is then that part's, while the config returned is the whole model's.
+    ``int8_activations``: quantized linears may take x as int8 (QuantConfig.activation_quantization).
     """
     hf = load_hf_config(path)
     config = load_model_config(path)
@@ -115,7 +116,8 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
     gguf = is_gguf(path)
     with torch.device(device):
         model = cls(local, dtype)
-        assign_quant_methods(model, quantization, group_size, gguf_file.tensor_types(path) if gguf else None)
+        assign_quant_methods(model, quantization, group_size, gguf_file.tensor_types(path) if gguf else None,
+                             int8_activations)
     weights = gguf_file.iter_weights(path, hf, keep_blocks=quantization != "none") if gguf else iter_safetensors(path)
     if shard is not None:
         weights = shard.shard_weights(config, weights)

@@ -41,6 +41,8 @@ _MAX_FUSED_ROWS_WITHOUT_AMX = 16
 # against float32 panels of W for every batch (csrc/quant_linear.cpp): on the default model's GGUF
 # layers the panels overtake the fused kernel at about 8 rows.
 _MAX_FUSED_ROWS_AVX2 = 8
+# AVX2 with int8 activations: the integer kernel (csrc/quant_linear_avx2.cpp) up to here, then the panels.
+_MAX_INT_ROWS_AVX2 = 8
 _MAX_PANEL_ROWS_AVX2 = 1 << 62
 # Dense bf16 W on a CPU with AVX512-BF16: W is kept only in the AMX tile layout
 # (layers/csrc/packed_linear.cpp), packed at load; its kernel serves every number of rows, on AMX
@@ -68,11 +70,12 @@ def _max_mid_rows() -> int:
 
 
 @functools.cache
-def _max_fused_rows(dtype: torch.dtype) -> int:
-    """Rows of x up to which the fused dequantize+dot kernel runs, for x of ``dtype`` on this CPU."""
+def _max_fused_rows(dtype: torch.dtype, int8_activations: bool) -> int:
+    """Rows of x up to which the few-row kernels run (the fused dequantize+dot loop, or the integer
+    kernels for int8 activations), for x of ``dtype`` on this CPU."""
     kernels = load_quant_kernels()
     if kernels is not None and kernels.vector_bits() == 256:
-        return _MAX_FUSED_ROWS_AVX2
+        return _MAX_INT_ROWS_AVX2 if int8_activations else _MAX_FUSED_ROWS_AVX2
     if dtype == torch.bfloat16 and kernels is not None and not kernels.has_amx():
         return _MAX_FUSED_ROWS_WITHOUT_AMX
     return _MAX_FUSED_ROWS.get(dtype, 8)
@@ -162,10 +165,13 @@ class GroupQuant(QuantMethod):
     does not divide uses the largest power-of-two fraction of it that does (e.g. 128 -> 64 for K=576).
     ``coded``: scales and zeros as 8-bit codes of a per-row step instead of float16 (int4 only, 0.5
     bits per weight less at groups of 32); ``search``: pick each group's clipping range by rounding
-    error rather than taking its [min, max] (int4 only).
+    error rather than taking its [min, max] (int4 only). ``int8_activations``: few rows of x (decode)
+    may be quantized to int8 per 32 inputs and multiplied in integers where the CPU has such a kernel
+    (QuantConfig.activation_quantization); else they stay float and each weight is dequantized.
     """
 
-    def __init__(self, bits: int, group: int | None, zeros: bool, coded: bool = False, search: bool = False) -> None:
+    def __init__(self, bits: int, group: int | None, zeros: bool, coded: bool = False, search: bool = False,
+                 int8_activations: bool = True) -> None:
         if bits not in (4, 8):
             raise ValueError(f"bits={bits} must be 4 or 8")
         if bits == 4 and (group is None or group % 16):
@@ -173,7 +179,7 @@ class GroupQuant(QuantMethod):
         if bits == 8 and (coded or search):
             raise ValueError("coded parameters and the clip search are for int4 only")
         self.bits, self.group, self.has_zeros = bits, group, zeros or bits == 4
-        self.coded, self.search = coded, search
+        self.coded, self.search, self.int8_activations = coded, search, int8_activations
         self.name = (f"int{bits}" + (f"-g{group}" if group else "") + ("-coded" if coded else "")
                      + ("-clip" if search else ""))
 
@@ -287,13 +293,15 @@ class GroupQuant(QuantMethod):
             if args is None or args[0] is not layer._buffers["qweight"]:  # first call, or tensors rebound
                 args = layer._kernel_args = (layer.qweight, layer.scales, layer.zeros, layer.factors,
                                              self.layer_group(layer), self.bits)
-            y = kernels.quant_linear(flat.contiguous(), *args, _max_fused_rows(x.dtype), _max_mid_rows(), _TILE_BYTES)
+            y = kernels.quant_linear(flat.contiguous(), *args, _max_fused_rows(x.dtype, self.int8_activations),
+                                     _max_mid_rows(), _TILE_BYTES, self.int8_activations)
         return y.reshape(*x.shape[:-1], layer.out_features)
 
     def kernel_spec(self, layer, kernels):
         return kernels.LinearSpec(1, layer.qweight, layer.scales, layer.zeros, layer.factors, layer.bias,
-                                  self.layer_group(layer), self.bits, _max_fused_rows(layer.dtype), _max_mid_rows(),
-                                  _TILE_BYTES)
+                                  self.layer_group(layer), self.bits,
+                                  _max_fused_rows(layer.dtype, self.int8_activations), _max_mid_rows(), _TILE_BYTES,
+                                  quantize_x=self.int8_activations)
 
     def dense(self, layer, dtype: torch.dtype) -> torch.Tensor:
         return packing.dequantize(layer.qweight, layer.scales, layer.zeros, self.bits, dtype, layer.factors)
@@ -307,10 +315,10 @@ class GroupQuant(QuantMethod):
 
 
 @register_quant_method("int8")
-def int8(group: int | None = None, zeros: bool = False) -> GroupQuant:
-    return GroupQuant(8, group, zeros)
+def int8(group: int | None = None, zeros: bool = False, int8_activations: bool = True) -> GroupQuant:
+    return GroupQuant(8, group, zeros, int8_activations=int8_activations)
 
 
 @register_quant_method("int4")
-def int4(group: int = 32, coded: bool = True, search: bool = False) -> GroupQuant:
-    return GroupQuant(4, group, True, coded, search)
+def int4(group: int = 32, coded: bool = True, search: bool = False, int8_activations: bool = True) -> GroupQuant:
+    return GroupQuant(4, group, True, coded, search, int8_activations)

@@ -955,22 +955,29 @@ QuantWeight check_weight(const at::Tensor& qweight, const at::Tensor& scales, co
 
 }  // namespace
 
-// x: [M, K] float32/bfloat16/float16, contiguous. Returns [M, N] in x's dtype.
+// x: [M, K] float32/bfloat16/float16, contiguous. Returns [M, N] in x's dtype. quantize_x: up to
+// max_fused_rows rows, x may be quantized to int8 per 32 inputs (the integer kernels above, and
+// quant_linear_avx2.cpp on AVX2); otherwise few rows of x stay float (dequantize-and-FMA).
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& zeros, const c10::optional<at::Tensor>& factors,
                         int64_t group, int64_t bits, int64_t max_fused_rows, int64_t max_mid_rows,
-                        int64_t tile_bytes) {
+                        int64_t tile_bytes, bool quantize_x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] matrix");
   const at::Tensor q = qweight.scalar_type() == at::kChar ? qweight.view(at::kByte) : qweight;
   const QuantWeight w = check_weight(q, scales, zeros, factors, group, bits);
   TORCH_CHECK(x.size(1) == w.k, "x has ", x.size(1), " features, the weight ", w.k);
   if (x.size(0) <= max_fused_rows) {
 #if defined(KVSERVE_VNNI)
-    if (bits == 4 && x.scalar_type() == at::kBFloat16) return int4_fused_any<c10::BFloat16>(w, x);
-    if (bits == 4 && x.scalar_type() == at::kHalf) return int4_fused_any<c10::Half>(w, x);
-    if (bits == 8 && !w.factors && w.k % 32 == 0 && x.scalar_type() == at::kBFloat16) return int8_fused<c10::BFloat16>(w, x);
-    if (bits == 8 && !w.factors && w.k % 32 == 0 && x.scalar_type() == at::kHalf) return int8_fused<c10::Half>(w, x);
+    if (quantize_x && bits == 4 && x.scalar_type() == at::kBFloat16) return int4_fused_any<c10::BFloat16>(w, x);
+    if (quantize_x && bits == 4 && x.scalar_type() == at::kHalf) return int4_fused_any<c10::Half>(w, x);
+    if (quantize_x && bits == 4 && x.scalar_type() == at::kFloat) return int4_fused_any<float>(w, x);
+    const bool int8_vnni = quantize_x && bits == 8 && !w.factors && w.k % 32 == 0;
+    if (int8_vnni && x.scalar_type() == at::kBFloat16) return int8_fused<c10::BFloat16>(w, x);
+    if (int8_vnni && x.scalar_type() == at::kHalf) return int8_fused<c10::Half>(w, x);
+    if (int8_vnni && x.scalar_type() == at::kFloat) return int8_fused<float>(w, x);
 #endif
+    const QuantWeightRef ref{w.data, w.scales, w.zeros, w.factors, w.n, w.k, w.group};
+    if (quantize_x && int_linear_avx2_supported(ref, bits)) return int_linear_avx2(ref, bits, x);
     return bits == 4 ? fused<4>(w, x) : fused<8>(w, x);
   }
 #if defined(KVSERVE_AMX)
@@ -1045,7 +1052,7 @@ int64_t vector_bits() {
 }
 
 bool has_int8_activations() {
-#if defined(KVSERVE_VNNI)
+#if defined(KVSERVE_VNNI) || defined(KVSERVE_AVX2)
   return true;
 #else
   return false;
