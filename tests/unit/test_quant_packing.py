@@ -3,6 +3,8 @@ against the PyTorch reference, GGUF block decoding against the `gguf` package, K
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -391,6 +393,8 @@ def test_vector_bits_names_the_build():
     kernels = _kernels()
     bits = kernels.vector_bits()
     assert bits in (0, 256, 512)
+    if os.environ.get("KVSERVE_CPU_TARGET", "native").startswith("avx2"):  # built for AVX2 on any x86 CPU
+        assert bits == 256 and kernels.has_int8_activations()
     if bits == 256:
         assert not kernels.native_bf16() and not kernels.has_amx() and kernels.packed_linear_supported()
     if bits == 0:

@@ -92,3 +92,25 @@ def test_auto_dtype_follows_the_checkpoint_and_the_cpu(tmp_path, tiny_llama):
     assert LLM(model=str(tiny_llama), num_kv_blocks=16).engine.config.dtype == "float32"
     with pytest.raises(RuntimeError, match="auto"):
         _ = EngineConfig(dtype="auto").torch_dtype
+
+
+def test_activation_quantization_follows_the_dtype_option(tiny_llama):
+    """"auto" quantizes few rows of x to int8, except for an explicit dtype="float32" (the exact path
+    that quality comparisons run in); EngineCore resolves it with the dtype, into every quantized layer."""
+    from kvserve.config import QuantConfig
+    from kvserve.model.quant.methods import GroupQuant
+
+    assert QuantConfig().int8_activations("auto") and QuantConfig().int8_activations("bfloat16")
+    assert not QuantConfig().int8_activations("float32")
+    assert QuantConfig(activation_quantization="int8").int8_activations("float32")
+    assert not QuantConfig(activation_quantization="none").int8_activations("auto")
+    with pytest.raises(ValueError, match="activation_quantization"):
+        QuantConfig(activation_quantization="int4")
+    for options, expected in [({}, True), ({"dtype": "float32"}, False),
+                              ({"dtype": "float32", "activation_quantization": "int8"}, True),
+                              ({"activation_quantization": "none"}, False)]:
+        llm = LLM(model=str(tiny_llama), quantization="int4", num_kv_blocks=16, **options)
+        assert llm.engine.config.quant.activation_quantization == ("int8" if expected else "none")
+        methods = [m.method for m in llm.engine.core.runner.model.modules() if isinstance(getattr(m, "method", None),
+                                                                                          GroupQuant)]
+        assert methods and all(m.int8_activations == expected for m in methods)
