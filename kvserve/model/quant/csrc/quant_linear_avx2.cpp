@@ -158,9 +158,9 @@ void row_params(const QuantWeightRef& w, int64_t n, int64_t gpad, float* params)
     _mm256_storeu_ps(params + g, simd::load8(sc + g));
     if (w.zeros) _mm256_storeu_ps(zeros + g, simd::load8(zc + g));
   }
-  for (; g < groups; ++g) {
-    params[g] = static_cast<float>(sc[g]);
-    if (w.zeros) zeros[g] = static_cast<float>(zc[g]);
+  for (; g < groups; ++g) {  // vcvtph2ps on one value: c10::Half's own conversion is done in software
+    params[g] = _cvtsh_ss(sc[g].x);
+    if (w.zeros) zeros[g] = _cvtsh_ss(zc[g].x);
   }
 }
 
