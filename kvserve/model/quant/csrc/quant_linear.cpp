@@ -10,9 +10,10 @@
 //       its high nibble (llama.cpp's Q4_0 order, so GGUF Q4 blocks copy straight in).
 //
 // Few rows of x (decode): a fused kernel reads each weight once and uses it for up to kFusedRows rows
-// of x; memory traffic is the packed weight only. int4 W with bf16 / float16 x (VNNI): x is quantized
-// to int8 per 32 inputs and multiplied with W's nibbles as bytes (int4_fused); int8 W likewise
-// (int8_fused); float32 x or no VNNI: each weight is dequantized to float in registers.
+// of x; memory traffic is the packed weight only. Where the caller asks for quantized activations
+// (quantize_x), x is quantized to int8 per 32 inputs and multiplied with W's nibbles as bytes: with
+// VNNI int4_fused and int8_fused below, on AVX2 quant_linear_avx2.cpp (which serves every number of
+// rows there). Otherwise each weight is dequantized to float in registers.
 // More rows (up to max_mid_rows): bf16 x with AMX present: 16 x 32 tiles of W dequantized in
 // registers straight into AMX A tiles; AVX2 without AVX-512: float32 panels of W (below). Many rows
 // (prefill) or other CPUs: dequantize a tile of W into x's dtype and hand it to at::mm (oneDNN, MKL),
