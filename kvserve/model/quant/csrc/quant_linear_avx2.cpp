@@ -39,6 +39,11 @@ constexpr int kIntRows = 8;  // rows of x per pass over a block of W's rows
 // so the accumulators (rows of x times rows of W) fit the 16 registers.
 constexpr int int_w_rows(int mb) { return mb <= 2 ? 4 : mb <= 4 ? 2 : 1; }
 
+// Rows of W ahead of the current one to prefetch (a line per 64 bytes read). Cold weights (DRAM), one
+// thread, built for AVX2 on Zen 5: 16 rows ahead took the default model's int4 layers from 2.0 to 1.5
+// ms and its int8 head from 1.6 to 0.77 ms; 32 or 64 rows did no better, nor prefetching the scales.
+constexpr int64_t kPrefetchRows = 16;
+
 // Rows of W per parallel task: a second thread costs a wake-up (tens of microseconds) that a small
 // matrix never earns back, so split only beyond ~256 KB of W per task.
 inline int64_t rows_per_task(int64_t row_bytes) { return std::max<int64_t>(16, (int64_t{1} << 18) / row_bytes); }
@@ -194,6 +199,7 @@ inline void int_block(const QuantWeightRef& w, const int32_t* group_of, const Qu
 #pragma GCC unroll 4
     for (int r = 0; r < NR; ++r) {
       const uint8_t* wp = wr + r * row_bytes + 32 * u;
+      if (u % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetchRows * row_bytes), _MM_HINT_T0);
       const __m256i wv = u == last ? _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)))
                                    : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
       const float* sc = params + r * 2 * gpad;
