@@ -13,8 +13,9 @@ Once per tree, the greedy output of that default engine on a few chat prompts, c
     .venv/bin/python benchmarks/ab_cpu_target.py --old 7d93151 [--rounds 2] [--json OUT]
 
 The old revision is unpacked (`git archive`) into a temporary folder, removed after. If its
-kernel loader predates KVSERVE_CPU_TARGET, it gets this tree's (model/cpu_kernels.py), so both trees
-build their own kernels for the same target; each build compiles on first use (a few minutes, cached).
+kernel loader (model/cpu_kernels.py) predates KVSERVE_CPU_TARGET, its -march=native is replaced by the
+target's flags, so both trees build their own kernels for the same target; each build compiles on
+first use (a few minutes, cached).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -57,7 +57,9 @@ print(json.dumps({"dtype": llm.engine.config.dtype,
 
 
 def _run_json(tree: Path, env: dict, args: list[str]) -> dict:
-    out = subprocess.run([sys.executable, *args], cwd=tree, check=True, capture_output=True, text=True, env=env)
+    out = subprocess.run([sys.executable, *args], cwd=tree, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        raise SystemExit(f"{' '.join(args[:4])} failed in {tree}:\n{out.stderr[-3000:]}")
     text = out.stdout
     return json.loads(text[text.index("{"):])  # the JSON document; log lines go to stderr
 
@@ -87,9 +89,16 @@ def agreement(old: list[list[int]], new: list[list[int]]) -> list[dict]:
     return out
 
 
-def _with_target_loader(tree: Path) -> None:
-    if "KVSERVE_CPU_TARGET" not in (tree / LOADER).read_text():
-        shutil.copyfile(REPO / LOADER, tree / LOADER)
+def _with_target_loader(tree: Path, target: str) -> None:
+    """An old kernel loader without KVSERVE_CPU_TARGET gets the target's flags in place of -march=native."""
+    sys.path.insert(0, str(REPO))
+    from kvserve.model.cpu_kernels import target_flags
+
+    loader = tree / LOADER
+    text = loader.read_text()
+    if "KVSERVE_CPU_TARGET" not in text:
+        assert '"-march=native"' in text, f"{loader}: no -march=native to replace"
+        loader.write_text(text.replace('"-march=native"', ", ".join(f'"{f}"' for f in target_flags(target))))
 
 
 def main() -> None:
@@ -106,7 +115,7 @@ def main() -> None:
         old_tree.mkdir()
         archive = subprocess.run(["git", "-C", str(REPO), "archive", args.old], check=True, capture_output=True)
         subprocess.run(["tar", "-x", "-C", str(old_tree)], input=archive.stdout, check=True)
-        _with_target_loader(old_tree)
+        _with_target_loader(old_tree, args.target)
         trees = {"old": old_tree, "new": REPO}
         rounds: dict[str, list[dict]] = {"old": [], "new": []}
         for r in range(args.rounds):

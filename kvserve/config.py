@@ -483,14 +483,14 @@ class QuantConfig:
     "int4": weight-only int4 with zero points per ``group_size`` inputs (default 32; see quant/plan.py).
     Both round to nearest at load.
 
-    ``activation_quantization``: how the CPU's int4 / int8 linears take a few rows of x (decode,
-    speculative verification, small batches). "int8": x is quantized to int8 per 32 inputs (step
-    amax / 127) and multiplied with the weights' bytes in integer SIMD (AVX512-VNNI, or AVX2's
-    vpmaddubsw), about the error of the weights' own 8-bit neighbour; "none": each weight is
-    dequantized to float and x stays as it is, exact to float rounding. "auto": int8, except when
-    ``dtype="float32"`` was asked for explicitly: that run is what quality comparisons use, while
-    dtype "auto" picks float32 only because the CPU lacks bf16 and wants the fast path.
-    ``int8_activations`` resolves it against the dtype option as given.
+    ``activation_quantization``: how the CPU's int4 / int8 linears take x in decode steps (a few rows:
+    decode, speculative verification, small batches; on AVX2 every batch). "int8": x is quantized
+    to int8 per 32 inputs (step amax / 127) and multiplied with the weights' bytes in integer SIMD
+    (AVX512-VNNI, or AVX2's vpmaddubsw); "none": each weight is dequantized to float and x stays as
+    it is, exact to float rounding. "auto": int8, except when ``dtype="float32"`` was asked for
+    explicitly: that run is what quality comparisons use, while dtype "auto" picks float32 only
+    because the CPU lacks bf16 and wants the fast path. ``int8_activations`` resolves it against the
+    dtype option as given.
     """
 
     quantization: str | None = option(None, "weights: unset keeps a GGUF file's own 4/8-bit blocks; none = dense "
