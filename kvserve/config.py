@@ -487,10 +487,10 @@ class QuantConfig:
     decode, speculative verification, small batches; on AVX2 every batch). "int8": x is quantized
     to int8 per 32 inputs (step amax / 127) and multiplied with the weights' bytes in integer SIMD
     (AVX512-VNNI, or AVX2's vpmaddubsw); "none": each weight is dequantized to float and x stays as
-    it is, exact to float rounding. "auto": int8, except when ``dtype="float32"`` was asked for
-    explicitly: that run is what quality comparisons use, while dtype "auto" picks float32 only
-    because the CPU lacks bf16 and wants the fast path. ``int8_activations`` resolves it against the
-    dtype option as given.
+    it is, exact to float rounding. "auto": int8, except in a float32 run by choice: ``dtype="float32"``
+    asked for (what quality comparisons run in), or a float32 checkpoint under dtype "auto". Where
+    dtype "auto" picks float32 only because the CPU lacks bf16 (a 16-bit or GGUF checkpoint on an
+    AVX2 CPU), x is quantized: that run wants the fast path. ``int8_activations`` resolves it.
     """
 
     quantization: str | None = option(None, "weights: unset keeps a GGUF file's own 4/8-bit blocks; none = dense "
@@ -499,8 +499,9 @@ class QuantConfig:
                                     "channel (int8)", name="quantization_group_size", choices=QUANT_GROUP_SIZES)
     activation_quantization: str = option("auto", "int4/int8 linears on the CPU, few rows of x (decode): int8 = x "
                                           "quantized to int8 per 32 inputs and multiplied in integers (fast); none "
-                                          "= x kept float, weights dequantized (exact); auto = int8 unless "
-                                          "--dtype float32 is given", choices=ACTIVATION_QUANTIZATIONS)
+                                          "= x kept float, weights dequantized (exact); auto = int8 unless the run "
+                                          "is float32 by choice (--dtype float32, or a float32 checkpoint)",
+                                          choices=ACTIVATION_QUANTIZATIONS)
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -516,11 +517,11 @@ class QuantConfig:
             raise ValueError(f"activation_quantization={self.activation_quantization!r} must be one of "
                              f"{list(ACTIVATION_QUANTIZATIONS)}")
 
-    def int8_activations(self, dtype: str) -> bool:
-        """Whether quantized linears take int8 x, for the engine's ``dtype`` option as the user gave it
-        ("auto" before it is resolved): see ``activation_quantization``."""
+    def int8_activations(self, float32_by_choice: bool) -> bool:
+        """Whether quantized linears take int8 x (``activation_quantization`` resolved);
+        ``float32_by_choice``: the run is float32 because the user or the checkpoint asked for it."""
         if self.activation_quantization == "auto":
-            return dtype != "float32"
+            return not float32_by_choice
         return self.activation_quantization == "int8"
 
 

@@ -40,15 +40,24 @@ def auto_dtype(path: Path, device: torch.device) -> str:
     without bf16; a CPU with AVX512-BF16 or AMX, which the C++ kernels use), else in float32, since
     emulated bf16 is far slower than float32. Native bf16 prefills several times as fast as float32
     at the same perplexity to three digits."""
-    hf = load_hf_config(path)
-    stored = hf.get("torch_dtype") or hf.get("dtype")  # transformers 5 writes "dtype"
-    if stored in ("float32", "float"):
+    stored = _stored_dtype(load_hf_config(path))
+    if stored == "float32":
         return "float32"
     if device.type == "cuda":
         return "bfloat16" if stored != "float16" and torch.cuda.is_bf16_supported() else "float16"
     from kvserve.model.cpu_kernels import cpu_has_native_bf16
 
     return "bfloat16" if cpu_has_native_bf16() else "float32"
+
+
+def float32_checkpoint(path: Path) -> bool:
+    """The checkpoint's weights are float32 (dtype "auto" keeps them so on every device)."""
+    return _stored_dtype(load_hf_config(path)) == "float32"
+
+
+def _stored_dtype(hf: dict[str, Any]) -> str | None:
+    stored = hf.get("torch_dtype") or hf.get("dtype")  # transformers 5 writes "dtype"
+    return "float32" if stored == "float" else stored
 
 
 def is_gguf(path: Path) -> bool:
