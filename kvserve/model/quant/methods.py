@@ -167,9 +167,10 @@ class GroupQuant(QuantMethod):
     does not divide uses the largest power-of-two fraction of it that does (e.g. 128 -> 64 for K=576).
     ``coded``: scales and zeros as 8-bit codes of a per-row step instead of float16 (int4 only, 0.5
     bits per weight less at groups of 32); ``search``: pick each group's clipping range by rounding
-    error rather than taking its [min, max] (int4 only). ``int8_activations``: few rows of x (decode)
-    may be quantized to int8 per 32 inputs and multiplied in integers where the CPU has such a kernel
-    (QuantConfig.activation_quantization); else they stay float and each weight is dequantized.
+    error rather than taking its [min, max] (int4 only). ``int8_activations``: x may be quantized to
+    int8 per 32 inputs and multiplied in integers where the CPU has such a kernel (few rows with
+    AVX512-VNNI, every batch on AVX2; QuantConfig.activation_quantization); else it stays float and
+    each weight is dequantized.
     """
 
     def __init__(self, bits: int, group: int | None, zeros: bool, coded: bool = False, search: bool = False,
@@ -295,15 +296,21 @@ class GroupQuant(QuantMethod):
             if args is None or args[0] is not layer._buffers["qweight"]:  # first call, or tensors rebound
                 args = layer._kernel_args = (layer.qweight, layer.scales, layer.zeros, layer.factors,
                                              self.layer_group(layer), self.bits)
-            y = kernels.quant_linear(flat.contiguous(), *args, _max_fused_rows(x.dtype, self.int8_activations),
-                                     _max_mid_rows(), _TILE_BYTES, self.int8_activations)
+            int8_x = self._int8_x(args[4])
+            y = kernels.quant_linear(flat.contiguous(), *args, _max_fused_rows(x.dtype, int8_x), _max_mid_rows(),
+                                     _TILE_BYTES, int8_x)
         return y.reshape(*x.shape[:-1], layer.out_features)
 
+    def _int8_x(self, group: int) -> bool:
+        """Whether this layer's x is quantized: asked for, and a layout the integer kernels take (int8
+        groups of other sizes than multiples of 16 keep the float kernels and their row limits)."""
+        return self.int8_activations and (self.bits == 4 or group % 16 == 0)
+
     def kernel_spec(self, layer, kernels):
-        return kernels.LinearSpec(1, layer.qweight, layer.scales, layer.zeros, layer.factors, layer.bias,
-                                  self.layer_group(layer), self.bits,
-                                  _max_fused_rows(layer.dtype, self.int8_activations), _max_mid_rows(), _TILE_BYTES,
-                                  quantize_x=self.int8_activations)
+        group = self.layer_group(layer)
+        return kernels.LinearSpec(1, layer.qweight, layer.scales, layer.zeros, layer.factors, layer.bias, group,
+                                  self.bits, _max_fused_rows(layer.dtype, self._int8_x(group)), _max_mid_rows(),
+                                  _TILE_BYTES, quantize_x=self._int8_x(group))
 
     def dense(self, layer, dtype: torch.dtype) -> torch.Tensor:
         return packing.dequantize(layer.qweight, layer.scales, layer.zeros, self.bits, dtype, layer.factors)
