@@ -21,6 +21,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 QUANTIZATIONS = ("none", "int8", "int4")
 QUANT_GROUP_SIZES = (-1, 32, 64, 128)  # -1: one scale per output channel (int8 only)
+ACTIVATION_QUANTIZATIONS = ("auto", "int8", "none")
 
 
 def option(default: Any = None, help: str = "", *, name: str | None = None, choices: tuple | None = None,
@@ -481,12 +482,26 @@ class QuantConfig:
     "int8": weight-only int8, a scale per ``group_size`` inputs (default 32; -1 = per output channel).
     "int4": weight-only int4 with zero points per ``group_size`` inputs (default 32; see quant/plan.py).
     Both round to nearest at load.
+
+    ``activation_quantization``: how the CPU's int4 / int8 linears take x in decode steps (a few rows:
+    decode, speculative verification, small batches; on AVX2 every batch). "int8": x is quantized
+    to int8 per 32 inputs (step amax / 127) and multiplied with the weights' bytes in integer SIMD
+    (AVX512-VNNI, or AVX2's vpmaddubsw); "none": each weight is dequantized to float and x stays as
+    it is, exact to float rounding. "auto": int8, except in a float32 run by choice: ``dtype="float32"``
+    asked for (what quality comparisons run in), or a float32 checkpoint under dtype "auto". Where
+    dtype "auto" picks float32 only because the CPU lacks bf16 (a 16-bit or GGUF checkpoint on an
+    AVX2 CPU), x is quantized: that run wants the fast path. ``int8_activations`` resolves it.
     """
 
     quantization: str | None = option(None, "weights: unset keeps a GGUF file's own 4/8-bit blocks; none = dense "
                                       "in the engine dtype; int8 / int4 quantized at load", choices=QUANTIZATIONS)
     group_size: int | None = option(None, "inputs per scale for int8/int4 (default 32); -1 = one scale per output "
                                     "channel (int8)", name="quantization_group_size", choices=QUANT_GROUP_SIZES)
+    activation_quantization: str = option("auto", "int4/int8 linears on the CPU, few rows of x (decode): int8 = x "
+                                          "quantized to int8 per 32 inputs and multiplied in integers (fast); none "
+                                          "= x kept float, weights dequantized (exact); auto = int8 unless the run "
+                                          "is float32 by choice (--dtype float32, or a float32 checkpoint)",
+                                          choices=ACTIVATION_QUANTIZATIONS)
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -498,6 +513,16 @@ class QuantConfig:
             raise ValueError(f"quantization_group_size={self.group_size} needs quantization='int8' or 'int4'")
         if self.group_size == -1 and self.quantization != "int8":
             raise ValueError("quantization_group_size=-1 (one scale per output channel) is for quantization='int8'")
+        if self.activation_quantization not in ACTIVATION_QUANTIZATIONS:
+            raise ValueError(f"activation_quantization={self.activation_quantization!r} must be one of "
+                             f"{list(ACTIVATION_QUANTIZATIONS)}")
+
+    def int8_activations(self, float32_by_choice: bool) -> bool:
+        """Whether quantized linears take int8 x (``activation_quantization`` resolved);
+        ``float32_by_choice``: the run is float32 because the user or the checkpoint asked for it."""
+        if self.activation_quantization == "auto":
+            return not float32_by_choice
+        return self.activation_quantization == "int8"
 
 
 SCHEDULING_POLICIES = ("fcfs", "shortest-first")

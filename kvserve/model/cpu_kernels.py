@@ -2,7 +2,7 @@
 the fused decoder (models/csrc/llama_decode.cpp) can call the other kernels directly.
 
 The build is keyed by the sources' hash, this CPU's instruction-set flags (it is compiled with
--march=native), the compiler flags and the torch installation (its version and folder: two Python
+-march=native, or for the target KVSERVE_CPU_TARGET names), the compiler flags and the torch installation (its version and folder: two Python
 environments on one machine rebuilt each other's kernels on every alternation when they shared a
 build folder). A first build says so on stderr and how long it took (1-5 minutes). If it cannot be
 built, callers fall back to plain PyTorch.
@@ -33,11 +33,21 @@ _SOURCES = [
     _MODEL / "layers" / "csrc" / "packed_linear.cpp",
     _MODEL / "layers" / "csrc" / "moe.cpp",
     _MODEL / "quant" / "csrc" / "quant_linear.cpp",
+    _MODEL / "quant" / "csrc" / "quant_linear_avx2.cpp",
     _MODEL / "attention" / "csrc" / "kv_write.cpp",
     _MODEL / "attention" / "csrc" / "paged_decode.cpp",
     _MODEL / "attention" / "csrc" / "paged_prefill.cpp",
     _MODEL / "models" / "csrc" / "llama_decode.cpp",
 ]
+# KVSERVE_CPU_TARGET: the instruction sets the kernels are compiled for. "native" (the default) is this
+# CPU's own; "avx2" (x86-64-v3: AVX2 + FMA + F16C, no AVX-512) builds the 8-lane kernels an AVX2-only
+# CPU runs, so they can be tested and timed on a newer one; "avx2-vnni" adds AVX-VNNI (Alder Lake,
+# Zen 5 client parts), whose 256-bit vpdpbusd the AVX2 integer kernels use when present.
+CPU_TARGETS = {
+    "native": ["-march=native"],
+    "avx2": ["-march=x86-64-v3"],
+    "avx2-vnni": ["-march=x86-64-v3", "-mavxvnni"],
+}
 # at::parallel_for is an OpenMP pragma in the headers: without -fopenmp every kernel runs on one
 # thread, and one core reads only about half the memory bandwidth two do.
 _OPENMP = ["-fopenmp"]
@@ -63,18 +73,26 @@ def vendor_flags(vendor: str, family: int | None) -> list[str]:
     return ["-DKVSERVE_AMD", *(["-DKVSERVE_AMD_ZEN5"] if (family or 0) >= _ZEN5_FAMILY else [])]
 
 
+def target_flags(target: str) -> list[str]:
+    """The -march flags for KVSERVE_CPU_TARGET=``target`` (CPU_TARGETS)."""
+    if target not in CPU_TARGETS:
+        raise ValueError(f"KVSERVE_CPU_TARGET={target!r} is not a kernel target; choose one of {sorted(CPU_TARGETS)}")
+    return CPU_TARGETS[target]
+
+
 @cache
 def load_kernels() -> ModuleType | None:
     """The compiled module, or None (with a warning) if it cannot be built here.
-    Set KVSERVE_DISABLE_CPU_KERNELS=1 to force the pure-PyTorch paths."""
+    Set KVSERVE_DISABLE_CPU_KERNELS=1 to force the pure-PyTorch paths, KVSERVE_CPU_TARGET to build for
+    an older instruction set than this CPU's (CPU_TARGETS)."""
     if os.environ.get("KVSERVE_DISABLE_CPU_KERNELS") == "1":
         return None
     from torch.utils import cpp_extension
 
     from kvserve.runtime.threads import cpu_family, cpu_vendor
 
-    cflags = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", *_OPENMP,
-              *vendor_flags(cpu_vendor(), cpu_family())]
+    cflags = ["-O3", *target_flags(os.environ.get("KVSERVE_CPU_TARGET", "native")), "-ffast-math",
+              "-fno-finite-math-only", *_OPENMP, *vendor_flags(cpu_vendor(), cpu_family())]
     digest = build_key(cflags)
     build_dir = cache_dir() / "kernels" / digest
     build_dir.mkdir(parents=True, exist_ok=True)

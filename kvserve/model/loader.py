@@ -40,15 +40,24 @@ def auto_dtype(path: Path, device: torch.device) -> str:
     without bf16; a CPU with AVX512-BF16 or AMX, which the C++ kernels use), else in float32, since
     emulated bf16 is far slower than float32. Native bf16 prefills several times as fast as float32
     at the same perplexity to three digits."""
-    hf = load_hf_config(path)
-    stored = hf.get("torch_dtype") or hf.get("dtype")  # transformers 5 writes "dtype"
-    if stored in ("float32", "float"):
+    stored = _stored_dtype(load_hf_config(path))
+    if stored == "float32":
         return "float32"
     if device.type == "cuda":
         return "bfloat16" if stored != "float16" and torch.cuda.is_bf16_supported() else "float16"
     from kvserve.model.cpu_kernels import cpu_has_native_bf16
 
     return "bfloat16" if cpu_has_native_bf16() else "float32"
+
+
+def float32_checkpoint(path: Path) -> bool:
+    """The checkpoint's weights are float32 (dtype "auto" keeps them so on every device)."""
+    return _stored_dtype(load_hf_config(path)) == "float32"
+
+
+def _stored_dtype(hf: dict[str, Any]) -> str | None:
+    stored = hf.get("torch_dtype") or hf.get("dtype")  # transformers 5 writes "dtype"
+    return "float32" if stored == "float" else stored
 
 
 def is_gguf(path: Path) -> bool:
@@ -97,7 +106,7 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantization: str | None = None,
                group_size: int | None = None, max_model_len: int | None = None,
-               shard: TensorShard | None = None) -> tuple[torch.nn.Module, ModelConfig]:
+               shard: TensorShard | None = None, int8_activations: bool = True) -> tuple[torch.nn.Module, ModelConfig]:
     """Build the registered model class for the checkpoint and fill every parameter.
 
     ``quantization`` / ``group_size``: see kvserve.model.quant.plan (None keeps a GGUF file's own
@@ -105,6 +114,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
     config's ``max_position``: the RoPE tables need no more, and LongRoPE picks its factors by it.
     ``shard``: build and fill only this tensor-parallel rank's part (model/sharding.py); the model's
     own config is then that part's, while the config returned is the whole model's.
+    ``int8_activations``: quantized linears may take x as int8 (QuantConfig.activation_quantization).
     """
     hf = load_hf_config(path)
     config = load_model_config(path)
@@ -115,7 +125,8 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
     gguf = is_gguf(path)
     with torch.device(device):
         model = cls(local, dtype)
-        assign_quant_methods(model, quantization, group_size, gguf_file.tensor_types(path) if gguf else None)
+        assign_quant_methods(model, quantization, group_size, gguf_file.tensor_types(path) if gguf else None,
+                             int8_activations)
     weights = gguf_file.iter_weights(path, hf, keep_blocks=quantization != "none") if gguf else iter_safetensors(path)
     if shard is not None:
         weights = shard.shard_weights(config, weights)

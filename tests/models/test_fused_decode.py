@@ -70,6 +70,14 @@ def test_fused_decode_serves_the_default_model(default_llm):
     _compare(default_llm, [12, 50])
 
 
+def test_fused_decode_with_int8_activations():
+    # float32 x quantized to int8 for the integer kernels (AVX2's, or AVX512-VNNI's), as `kvserve serve`
+    # runs on a CPU without native bf16; also past the few-row sizes.
+    llm = LLM(dtype="float32", activation_quantization="int8", kv_cache_memory_bytes=128 * 1024**2)
+    _compare(llm, [12, 50])
+    _compare(llm, [30] * 9)
+
+
 def test_fused_decode_can_be_turned_off(tiny_llama, monkeypatch):
     monkeypatch.setenv("KVSERVE_FUSED_DECODE", "0")
     llm = LLM(model=str(tiny_llama), num_kv_blocks=64, block_size=8)

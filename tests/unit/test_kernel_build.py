@@ -87,3 +87,13 @@ def test_a_first_build_says_so(capsys, monkeypatch):
     monkeypatch.setattr(cpu_kernels.logging.getLogger(), "handlers", [])
     cpu_kernels._say("kvserve: compiling")
     assert "kvserve: compiling" in capsys.readouterr().err
+
+
+def test_kernel_targets():
+    """KVSERVE_CPU_TARGET picks -march (avx2: x86-64-v3, an AVX2-only CPU); a build per target, since
+    the flags are part of the build key; a misspelt target is an error, not a silent native build."""
+    assert cpu_kernels.target_flags("native") == ["-march=native"]
+    assert cpu_kernels.target_flags("avx2") == ["-march=x86-64-v3"]
+    assert cpu_kernels.build_key(cpu_kernels.target_flags("avx2")) != cpu_kernels.build_key(["-march=native"])
+    with pytest.raises(ValueError, match="KVSERVE_CPU_TARGET"):
+        cpu_kernels.target_flags("avx3")

@@ -3,6 +3,8 @@ against the PyTorch reference, GGUF block decoding against the `gguf` package, K
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -115,7 +117,7 @@ def test_kernel_matches_reference(bits, group, zeros, coded, rows, dtype):
     torch.testing.assert_close(kernels.dequantize(q, s, z, f, group, bits, torch.float32), ref_w, rtol=tol, atol=tol)
     x = torch.randn(rows, k).to(dtype)
     for max_fused, max_amx in ((64, 0), (0, 128), (0, 0)):  # fused, AMX (bf16, where present), tiled + at::mm
-        y = kernels.quant_linear(x, q, s, z, f, group, bits, max_fused, max_amx, 4096)
+        y = kernels.quant_linear(x, q, s, z, f, group, bits, max_fused, max_amx, 4096, dtype != torch.float32)
         ref = torch.nn.functional.linear(x.float(), ref_w)
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         assert y.dtype == dtype
@@ -141,38 +143,52 @@ def test_batch_kernel_matches_reference(bits, group, coded, n, rows, dtype):
         z, f = (torch.randn_like(s.float()) * 0.01).half(), None
     ref_w = packing.dequantize(q, s, z, bits, torch.float32, f)
     x = torch.randn(rows, k).to(dtype)
-    y = kernels.quant_linear(x, q, s, z, f, group, bits, 0, 1 << 30, 4096)
+    y = kernels.quant_linear(x, q, s, z, f, group, bits, 0, 1 << 30, 4096, False)
     assert y.dtype == dtype and y.shape == (rows, n)
     ref = x.double() @ ref_w.double().T
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: y's own rounding
     torch.testing.assert_close(y.double(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
-def _int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x as the int4 / int8 kernels quantize it for bf16 / float16 rows: int8 per 32 inputs, step amax / 127,
-    round to nearest even. Returns (x_hat, step per input, step where the rounding is a tie else 0)."""
-    blocks = x.float().reshape(x.shape[0], -1, 32)
+def _int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x as the int4 / int8 kernels quantize it: int8 per 32 inputs (a row ending in half a block: its
+    last 16), step amax / 127, round to nearest even. Returns (x_hat, step per input, step where the
+    rounding is a tie else 0)."""
+    rows, k = x.shape
+    padded = torch.nn.functional.pad(x.float(), (0, -k % 32))
+    blocks = padded.reshape(rows, -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
     step = amax / 127
     scaled = blocks * inv
     x_hat = scaled.round() * step
-    # bf16 / float16 inputs land on exact halves of a step now and then, where the kernel's float
-    # arithmetic (fast-math) may round the other way: one step off, allowed for by the caller
+    # inputs land on exact halves of a step now and then (often for bf16 / float16 x), where the
+    # kernel's float arithmetic (fast-math) may round the other way: one step off, allowed for by the caller
     tie = ((scaled - scaled.floor() - 0.5).abs() < 1e-3).float()
-    return x_hat.reshape(x.shape), step.expand_as(blocks).reshape(x.shape), (tie * step).reshape(x.shape)
+    return tuple(t.reshape(rows, -1)[:, :k] for t in (x_hat, step.expand_as(blocks), tie * step))
+
+
+def _integer_path(kernels, bits: int, k: int, coded: bool) -> bool:
+    """Whether quant_linear(quantize_x=True) multiplies in integers for this weight: the AVX2 kernels
+    take every layout; AVX512-VNNI's int8 kernel wants whole chunks of 32 and float16 scales."""
+    if not kernels.has_int8_activations():
+        return False
+    return kernels.vector_bits() == 256 or bits == 4 or (k % 32 == 0 and not coded)
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.mark.parametrize("k, group", [(576, 16), (576, 32), (576, 64), (1536, 128), (96, 32), (96, 48), (160, 32)])
 @pytest.mark.parametrize("coded", [False, True])
 @pytest.mark.parametrize("zeros", [True, False])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_int4_int8_activation_kernel(k, group, coded, zeros, dtype):
-    """The few-row int4 kernel quantizes bf16 / float16 x to int8 per 32 inputs: it computes w . x_hat,
-    so its distance to x . w is bounded by sum_k |w_k| * step_k / 2 (plus the output's own rounding)."""
+    """The few-row int4 kernel quantizes x to int8 per 32 inputs: it computes w . x_hat, so its
+    distance to x . w is bounded by sum_k |w_k| * step_k / 2 (plus the output's own rounding)."""
     kernels = _kernels()
     torch.manual_seed(k + group)
-    n = 75  # NR = 4 rows of W per pass, plus a remainder of 3
+    n = 75  # 4 rows of W per pass, plus a remainder of 3
     w = torch.randn(n, k) * 0.1
     q, s, z, f = packing.quantize_int4(w, group, coded=coded)
     if not zeros:
@@ -181,12 +197,14 @@ def test_int4_int8_activation_kernel(k, group, coded, zeros, dtype):
     _check_activation_kernel(kernels, q, s, z, f, group, 4, ref_w, k, dtype)
 
 
-@pytest.mark.parametrize("k, group", [(576, 16), (576, 32), (576, 576), (1536, 128), (96, 32), (96, 48), (160, 32)])
+@pytest.mark.parametrize("k, group", [(576, 16), (576, 32), (576, 576), (1536, 128), (96, 32), (96, 48), (160, 32),
+                                      (80, 16), (208, 208)])
 @pytest.mark.parametrize("zeros", [True, False])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_int8_int8_activation_kernel(k, group, zeros, dtype):
     """The few-row int8 kernel does the same with int8 weights: symmetric like Q8_0 and int8
-    quantization, or with zero points (GGUF K-quants kept as int8 groups), per channel too."""
+    quantization, or with zero points (GGUF K-quants kept as int8 groups), per channel too; rows of
+    80 and 208 inputs end in half a block of 32 (groups of 16, or one per row)."""
     kernels = _kernels()
     torch.manual_seed(k + group)
     w = torch.randn(75, k) * 0.1
@@ -197,14 +215,14 @@ def test_int8_int8_activation_kernel(k, group, zeros, dtype):
 
 
 def _check_activation_kernel(kernels, q, s, z, f, group, bits, ref_w, k, dtype):
-    out_eps = 2**-8 if dtype == torch.bfloat16 else 2**-11  # rounding of y to x's dtype
-    for rows in (1, 2, 3, 5):
+    out_eps = {torch.bfloat16: 2**-8, torch.float16: 2**-11, torch.float32: 0}[dtype]  # rounding of y to x's dtype
+    for rows in (1, 2, 3, 5, 13):  # 13: a pass of 8 rows of x and one of 5
         x = torch.randn(rows, k)
         x[:, 7] *= 30  # an outlier input: its block's step is large, others stay fine
         if rows > 1:
             x[1] = 0  # an all-zero row (step 0)
         x = x.to(dtype)
-        y = kernels.quant_linear(x, q, s, z, f, group, bits, 8, 0, 4096)
+        y = kernels.quant_linear(x, q, s, z, f, group, bits, 16, 0, 4096, True)
         assert y.dtype == dtype
         y = y.float()
         ref = x.float() @ ref_w.T
@@ -212,7 +230,7 @@ def _check_activation_kernel(kernels, q, s, z, f, group, bits, ref_w, k, dtype):
         bound = ref_w.abs() @ (step / 2).T  # [n, rows]: the activation rounding, worst case
         slack = out_eps * ref.abs() + 1e-5 * (ref_w.abs() @ x.float().abs().T).T
         assert ((y - ref).abs() <= bound.T * 1.001 + slack).all(), ((y - ref).abs() / (bound.T + slack)).max()
-        if not kernels.has_int8_activations():  # no VNNI (an AVX2 CPU): x stays float, y is x . w rounded
+        if not _integer_path(kernels, bits, k, f is not None):  # x stays float: y is x . w rounded
             assert ((y - ref).abs() <= slack + 1e-5 * ref.abs().max()).all()
             continue
         # ... and it is exactly w . x_hat up to float rounding: a wrong lane, group or step would show here
@@ -223,16 +241,34 @@ def _check_activation_kernel(kernels, q, s, z, f, group, bits, ref_w, k, dtype):
         assert (y - ref).abs().mean() < 0.3 * bound.mean()  # typical errors are well inside the bound
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_few_row_kernel_rows_do_not_depend_on_the_batch(bits):
+def test_float_activations_stay_exact():
+    """quantize_x=False (activation_quantization "none", or dtype float32 asked for): few rows of x
+    stay float, so y is x . w to float32 rounding, far inside the int8 activations' error."""
+    kernels = _kernels()
+    torch.manual_seed(3)
+    w = torch.randn(40, 256) * 0.1
+    q, s, z, f = packing.quantize_int4(w, 32, coded=True)
+    ref_w = packing.dequantize(q, s, z, 4, torch.float32, f)
+    x = torch.randn(3, 256)
+    ref = x.double() @ ref_w.double().T
+    exact = kernels.quant_linear(x, q, s, z, f, 32, 4, 8, 0, 4096, False)
+    torch.testing.assert_close(exact.double(), ref, atol=1e-5, rtol=1e-5)
+    if kernels.has_int8_activations():
+        quantized = kernels.quant_linear(x, q, s, z, f, 32, 4, 8, 0, 4096, True)
+        assert (quantized.double() - ref).abs().max() > 10 * (exact.double() - ref).abs().max()
+
+
+@pytest.mark.parametrize("bits, group, n", [(4, 32, 200), (8, 32, 200), (4, 16, 75), (8, 16, 75)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_row_kernel_rows_do_not_depend_on_the_batch(bits, group, n, dtype):
     # Up to 8 rows (a verify step's k + 1 tokens of one request) each row gets bitwise what a 1-row
     # call gives it: verification then scores what plain decoding would.
     kernels = _kernels()
     torch.manual_seed(bits)
-    w = torch.randn(200, 576) * 0.05
-    q, s, z = (packing.quantize_int4(w, 32)[:3] if bits == 4 else (*packing.quantize_int8(w, 32), None))
-    x = torch.randn(8, 576).bfloat16()
-    args = (q, s, z, None, 32, bits, 8, 256, 4096)
+    w = torch.randn(n, 576) * 0.05
+    q, s, z = (packing.quantize_int4(w, group)[:3] if bits == 4 else (*packing.quantize_int8(w, group), None))
+    x = torch.randn(8, 576).to(dtype)
+    args = (q, s, z, None, group, bits, 8, 256, 4096, True)
     single = torch.cat([kernels.quant_linear(x[i:i + 1].contiguous(), *args) for i in range(8)])
     for rows in range(2, 9):
         assert torch.equal(kernels.quant_linear(x[:rows].contiguous(), *args), single[:rows])
@@ -357,6 +393,8 @@ def test_vector_bits_names_the_build():
     kernels = _kernels()
     bits = kernels.vector_bits()
     assert bits in (0, 256, 512)
+    if os.environ.get("KVSERVE_CPU_TARGET", "native").startswith("avx2"):  # built for AVX2 on any x86 CPU
+        assert bits == 256 and kernels.has_int8_activations()
     if bits == 256:
         assert not kernels.native_bf16() and not kernels.has_amx() and kernels.packed_linear_supported()
     if bits == 0:

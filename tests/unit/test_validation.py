@@ -92,3 +92,31 @@ def test_auto_dtype_follows_the_checkpoint_and_the_cpu(tmp_path, tiny_llama):
     assert LLM(model=str(tiny_llama), num_kv_blocks=16).engine.config.dtype == "float32"
     with pytest.raises(RuntimeError, match="auto"):
         _ = EngineConfig(dtype="auto").torch_dtype
+
+
+def test_activation_quantization_follows_why_the_run_is_float32(tmp_path, tiny_llama):
+    """"auto" quantizes x to int8 except in a float32 run by choice: dtype="float32" asked for (the
+    exact path quality comparisons run in), or a float32 checkpoint under dtype "auto". EngineCore
+    resolves it with the dtype, into every quantized layer."""
+    import torch
+
+    from kvserve.config import QuantConfig
+    from kvserve.model.quant.methods import GroupQuant
+    from tests.conftest import make_tiny_model
+
+    assert QuantConfig().int8_activations(float32_by_choice=False)
+    assert not QuantConfig().int8_activations(float32_by_choice=True)
+    assert QuantConfig(activation_quantization="int8").int8_activations(float32_by_choice=True)
+    assert not QuantConfig(activation_quantization="none").int8_activations(float32_by_choice=False)
+    with pytest.raises(ValueError, match="activation_quantization"):
+        QuantConfig(activation_quantization="int4")
+    bf16 = make_tiny_model(tmp_path / "bf16", "LlamaForCausalLM", dtype=torch.bfloat16)
+    for model, options, expected in [
+            (bf16, {}, True),  # bfloat16 where the CPU has it, else float32 for speed: int8 either way
+            (bf16, {"dtype": "float32"}, False), (tiny_llama, {}, False),  # float32 by choice
+            (tiny_llama, {"activation_quantization": "int8"}, True), (bf16, {"activation_quantization": "none"}, False)]:
+        llm = LLM(model=str(model), quantization="int4", num_kv_blocks=16, **options)
+        assert llm.engine.config.quant.activation_quantization == ("int8" if expected else "none"), (model, options)
+        methods = [m.method for m in llm.engine.core.runner.model.modules()
+                   if isinstance(getattr(m, "method", None), GroupQuant)]
+        assert methods and all(m.int8_activations == expected for m in methods)

@@ -97,25 +97,38 @@ class ExpertStrips {
   int64_t bytes(int64_t u0, int64_t u1) const { return std::min(u1 * unit_bytes, weight_bytes) - u0 * unit_bytes; }
 };
 
-// quant/csrc/quant_linear.cpp
+// quant/csrc/quant_linear.cpp. quantize_x: calls of up to max_fused_rows rows may quantize x to int8
+// per 32 inputs and multiply in integers where this CPU has such a kernel (AVX512-VNNI, AVX2).
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& zeros, const c10::optional<at::Tensor>& factors,
                         int64_t group, int64_t bits, int64_t max_fused_rows, int64_t max_mid_rows,
-                        int64_t tile_bytes);
+                        int64_t tile_bytes, bool quantize_x);
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, int64_t max_fused_rows);
 at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
                       const c10::optional<at::Tensor>& factors, int64_t group, int64_t bits, at::ScalarType dtype);
 bool has_amx();
-bool has_int8_activations();  // few-row int4/int8 kernels quantize bf16/fp16 x to int8 (AVX512-VNNI)
+bool has_int8_activations();  // few-row int4/int8 kernels can quantize x to int8 (AVX512-VNNI or AVX2)
 int64_t vector_bits();        // the kernels' vector width: 512 (AVX-512), 256 (AVX2 + FMA + F16C) or 0 (scalar)
 // quant_linear's and dense_linear's few-row paths as ExpertStrips writing y (x's dtype, [M, N]
 // contiguous), or nullptr where x has more rows than max_fused_rows (the whole-layer call then).
 std::unique_ptr<ExpertStrips> quant_strips(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                                            const c10::optional<at::Tensor>& zeros,
                                            const c10::optional<at::Tensor>& factors, int64_t group, int64_t bits,
-                                           int64_t max_fused_rows, const at::Tensor& y);
+                                           int64_t max_fused_rows, bool quantize_x, const at::Tensor& y);
 std::unique_ptr<ExpertStrips> dense_strips(const at::Tensor& x, const at::Tensor& weight, int64_t max_fused_rows,
                                            const at::Tensor& y);
+
+// quant/csrc/quant_linear_avx2.cpp: quant_linear's integer kernels on AVX2 (no AVX-512), on W as
+// quant_linear.cpp describes it (n rows of k inputs, a scale and zero point per group of inputs).
+struct QuantWeightRef {
+  const uint8_t* data;
+  const void* scales;   // c10::Half, or uint8 codes when `factors` is set
+  const void* zeros;    // c10::Half, or int8 codes when `factors` is set; nullptr: no zero points
+  const float* factors;  // [n, 2] per-row steps of the codes; nullptr: float16 scales and zeros
+  int64_t n, k, group;
+};
+bool int_linear_avx2_supported(const QuantWeightRef& w, int64_t bits);  // an AVX2 build, groups of 16s
+at::Tensor int_linear_avx2(const QuantWeightRef& w, int64_t bits, const at::Tensor& x);
 
 // layers/csrc/packed_linear.cpp: dense bf16 W in the AMX tile layout [N / 16, K / 32, 16, 32];
 // gated: W = [W_gate; W_up], packed so that the kernel can also write SiLU(gate) * up [M, N / 2].
@@ -154,6 +167,7 @@ struct LinearSpec {
   int64_t group = 0, bits = 0;
   int64_t max_fused_rows = 0, max_mid_rows = 0;  // the kernels' dispatch thresholds (methods.py)
   int64_t tile_bytes = 0;                        // kQuant: the prefill tile size
+  bool quantize_x = false;                       // kQuant: few rows of x may be quantized to int8
   int64_t out_features = 0;                      // kPacked: N (the layout pads it to whole strips)
   bool gated = false;                            // kPacked: packed as gated (can write SiLU(gate) * up)
   at::Tensor apply(const at::Tensor& x) const;

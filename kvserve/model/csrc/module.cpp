@@ -22,7 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_amx", &has_amx, "AMX tiles usable in this process");
   m.def("vector_bits", &vector_bits, "the kernels' vector width: 512 (AVX-512), 256 (AVX2 + FMA + F16C) or 0 (scalar loops)");
   m.def("has_int8_activations", &has_int8_activations,
-        "few-row int4/int8 linears quantize bf16/fp16 x to int8 per 32 inputs (AVX512-VNNI); else x stays float");
+        "few-row int4/int8 linears can quantize x to int8 per 32 inputs (quant_linear's quantize_x: AVX512-VNNI "
+        "or AVX2); else x stays float");
   m.def("packed_linear_supported", &packed_linear_supported,
         "the packed bf16 weight layout is usable here (AVX512-BF16, or AVX2 + FMA with float32 products)");
   m.def("native_bf16", &native_bf16, "this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX)");
@@ -43,17 +44,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](int64_t kind, at::Tensor weight, c10::optional<at::Tensor> scales,
                        c10::optional<at::Tensor> zeros, c10::optional<at::Tensor> factors,
                        c10::optional<at::Tensor> bias, int64_t group, int64_t bits, int64_t max_fused_rows,
-                       int64_t max_mid_rows, int64_t tile_bytes, int64_t out_features, bool gated) {
+                       int64_t max_mid_rows, int64_t tile_bytes, int64_t out_features, bool gated, bool quantize_x) {
              TORCH_CHECK(kind >= LinearSpec::kDense && kind <= LinearSpec::kPacked, "unknown linear kind ", kind);
              TORCH_CHECK(kind != LinearSpec::kQuant || scales.has_value(), "a quantized weight needs its scales");
              return LinearSpec{kind, std::move(weight), std::move(scales), std::move(zeros), std::move(factors),
                                std::move(bias), group, bits, max_fused_rows, max_mid_rows,
-                               tile_bytes, out_features, gated};
+                               tile_bytes, quantize_x, out_features, gated};
            }),
            py::arg("kind"), py::arg("weight"), py::arg("scales") = py::none(), py::arg("zeros") = py::none(),
            py::arg("factors") = py::none(), py::arg("bias") = py::none(), py::arg("group") = 0,
            py::arg("bits") = 0, py::arg("max_fused_rows") = 0, py::arg("max_mid_rows") = 0,
-           py::arg("tile_bytes") = 0, py::arg("out_features") = 0, py::arg("gated") = false)
+           py::arg("tile_bytes") = 0, py::arg("out_features") = 0, py::arg("gated") = false,
+           py::arg("quantize_x") = false)
       .def("__call__", &LinearSpec::apply, no_gil)
       .def("silu_mul", &LinearSpec::apply_silu_mul, "SiLU(gate) * up of the layer's output", no_gil);
   py::class_<LayerSpec>(m, "LayerSpec", py::module_local())

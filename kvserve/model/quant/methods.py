@@ -37,10 +37,14 @@ _MAX_AMX_ROWS = 256
 # Without AMX, bf16 rows past the fused kernel go to the dequantized tiles + at::mm, which the fused
 # kernel beats up to 16-24 rows on the default model's GGUF layers (4x at 4 rows, even by 32).
 _MAX_FUSED_ROWS_WITHOUT_AMX = 16
-# AVX2 (no AVX-512): x of any dtype is multiplied in float32, by the fused kernel up to 8 rows, then
-# against float32 panels of W for every batch (csrc/quant_linear.cpp): on the default model's GGUF
-# layers the panels overtake the fused kernel at about 8 rows.
+# AVX2 (no AVX-512) with float activations: x of any dtype is multiplied in float32, by the fused
+# kernel up to 8 rows, then against float32 panels of W for every batch (csrc/quant_linear.cpp): on
+# the default model's GGUF layers the panels overtake the fused kernel at about 8 rows.
 _MAX_FUSED_ROWS_AVX2 = 8
+# AVX2 with int8 activations: the integer kernel (csrc/quant_linear_avx2.cpp) for every number of rows.
+# On the default model's layer shapes (one thread, Zen 5 built for AVX2) it took 0.39x the fused
+# loop's time at 1 row and 0.43x at 8, and 0.47-0.72x the panels' from 8 to 1,024 rows.
+_MAX_INT_ROWS_AVX2 = 1 << 62
 _MAX_PANEL_ROWS_AVX2 = 1 << 62
 # Dense bf16 W on a CPU with AVX512-BF16: W is kept only in the AMX tile layout
 # (layers/csrc/packed_linear.cpp), packed at load; its kernel serves every number of rows, on AMX
@@ -68,11 +72,12 @@ def _max_mid_rows() -> int:
 
 
 @functools.cache
-def _max_fused_rows(dtype: torch.dtype) -> int:
-    """Rows of x up to which the fused dequantize+dot kernel runs, for x of ``dtype`` on this CPU."""
+def _max_fused_rows(dtype: torch.dtype, int8_activations: bool) -> int:
+    """Rows of x up to which the few-row kernels run (the fused dequantize+dot loop, or the integer
+    kernels for int8 activations), for x of ``dtype`` on this CPU."""
     kernels = load_quant_kernels()
     if kernels is not None and kernels.vector_bits() == 256:
-        return _MAX_FUSED_ROWS_AVX2
+        return _MAX_INT_ROWS_AVX2 if int8_activations else _MAX_FUSED_ROWS_AVX2
     if dtype == torch.bfloat16 and kernels is not None and not kernels.has_amx():
         return _MAX_FUSED_ROWS_WITHOUT_AMX
     return _MAX_FUSED_ROWS.get(dtype, 8)
@@ -162,10 +167,14 @@ class GroupQuant(QuantMethod):
     does not divide uses the largest power-of-two fraction of it that does (e.g. 128 -> 64 for K=576).
     ``coded``: scales and zeros as 8-bit codes of a per-row step instead of float16 (int4 only, 0.5
     bits per weight less at groups of 32); ``search``: pick each group's clipping range by rounding
-    error rather than taking its [min, max] (int4 only).
+    error rather than taking its [min, max] (int4 only). ``int8_activations``: x may be quantized to
+    int8 per 32 inputs and multiplied in integers where the CPU has such a kernel (few rows with
+    AVX512-VNNI, every batch on AVX2; QuantConfig.activation_quantization); else it stays float and
+    each weight is dequantized.
     """
 
-    def __init__(self, bits: int, group: int | None, zeros: bool, coded: bool = False, search: bool = False) -> None:
+    def __init__(self, bits: int, group: int | None, zeros: bool, coded: bool = False, search: bool = False,
+                 int8_activations: bool = True) -> None:
         if bits not in (4, 8):
             raise ValueError(f"bits={bits} must be 4 or 8")
         if bits == 4 and (group is None or group % 16):
@@ -173,7 +182,7 @@ class GroupQuant(QuantMethod):
         if bits == 8 and (coded or search):
             raise ValueError("coded parameters and the clip search are for int4 only")
         self.bits, self.group, self.has_zeros = bits, group, zeros or bits == 4
-        self.coded, self.search = coded, search
+        self.coded, self.search, self.int8_activations = coded, search, int8_activations
         self.name = (f"int{bits}" + (f"-g{group}" if group else "") + ("-coded" if coded else "")
                      + ("-clip" if search else ""))
 
@@ -287,13 +296,21 @@ class GroupQuant(QuantMethod):
             if args is None or args[0] is not layer._buffers["qweight"]:  # first call, or tensors rebound
                 args = layer._kernel_args = (layer.qweight, layer.scales, layer.zeros, layer.factors,
                                              self.layer_group(layer), self.bits)
-            y = kernels.quant_linear(flat.contiguous(), *args, _max_fused_rows(x.dtype), _max_mid_rows(), _TILE_BYTES)
+            int8_x = self._int8_x(args[4])
+            y = kernels.quant_linear(flat.contiguous(), *args, _max_fused_rows(x.dtype, int8_x), _max_mid_rows(),
+                                     _TILE_BYTES, int8_x)
         return y.reshape(*x.shape[:-1], layer.out_features)
 
+    def _int8_x(self, group: int) -> bool:
+        """Whether this layer's x is quantized: asked for, and a layout the integer kernels take (int8
+        groups of other sizes than multiples of 16 keep the float kernels and their row limits)."""
+        return self.int8_activations and (self.bits == 4 or group % 16 == 0)
+
     def kernel_spec(self, layer, kernels):
-        return kernels.LinearSpec(1, layer.qweight, layer.scales, layer.zeros, layer.factors, layer.bias,
-                                  self.layer_group(layer), self.bits, _max_fused_rows(layer.dtype), _max_mid_rows(),
-                                  _TILE_BYTES)
+        group = self.layer_group(layer)
+        return kernels.LinearSpec(1, layer.qweight, layer.scales, layer.zeros, layer.factors, layer.bias, group,
+                                  self.bits, _max_fused_rows(layer.dtype, self._int8_x(group)), _max_mid_rows(),
+                                  _TILE_BYTES, quantize_x=self._int8_x(group))
 
     def dense(self, layer, dtype: torch.dtype) -> torch.Tensor:
         return packing.dequantize(layer.qweight, layer.scales, layer.zeros, self.bits, dtype, layer.factors)
@@ -307,10 +324,10 @@ class GroupQuant(QuantMethod):
 
 
 @register_quant_method("int8")
-def int8(group: int | None = None, zeros: bool = False) -> GroupQuant:
-    return GroupQuant(8, group, zeros)
+def int8(group: int | None = None, zeros: bool = False, int8_activations: bool = True) -> GroupQuant:
+    return GroupQuant(8, group, zeros, int8_activations=int8_activations)
 
 
 @register_quant_method("int4")
-def int4(group: int = 32, coded: bool = True, search: bool = False) -> GroupQuant:
-    return GroupQuant(4, group, True, coded, search)
+def int4(group: int = 32, coded: bool = True, search: bool = False, int8_activations: bool = True) -> GroupQuant:
+    return GroupQuant(4, group, True, coded, search, int8_activations)

@@ -38,36 +38,38 @@ PER_CHANNEL = -1  # group_size meaning one scale per output channel
 
 
 def assign_quant_methods(model: torch.nn.Module, quantization: str | None, group_size: int | None,
-                         gguf_types: dict[str, str] | None = None) -> None:
+                         gguf_types: dict[str, str] | None = None, int8_activations: bool = True) -> None:
     """Give every Linear of ``model`` its method (call before loading weights).
 
     ``gguf_types`` maps HF tensor names to GGML type names when the checkpoint is a GGUF file.
+    ``int8_activations``: the quantized methods may quantize few rows of x to int8 (GroupQuant).
     """
     QuantConfig(quantization, group_size)  # validates
     for name, layer in model.named_modules():
         if isinstance(layer, Linear) and layer.quantizable:
-            method = _method_for(name, layer, quantization, group_size, gguf_types)
+            method = _method_for(name, layer, quantization, group_size, gguf_types, int8_activations)
             if method is not None:
                 layer.set_method(method)
 
 
 def _method_for(name: str, layer: Linear, quantization: str | None, group_size: int | None,
-                gguf_types: dict[str, str] | None) -> QuantMethod | None:
+                gguf_types: dict[str, str] | None, int8_activations: bool) -> QuantMethod | None:
     if quantization is None:
-        return _native(name, layer, gguf_types) if gguf_types else None
+        return _native(name, layer, gguf_types, int8_activations) if gguf_types else None
     if quantization == "none":
         return None
     if quantization == "int8":
         group = None if group_size == PER_CHANNEL else GroupQuant.group_for(
             layer.in_features, group_size or DEFAULT_INT8_GROUP, 8)
-        return get_quant_method("int8", group=group)  # no group fits: one scale per output channel
+        # no group fits: one scale per output channel
+        return get_quant_method("int8", group=group, int8_activations=int8_activations)
     embedding = isinstance(layer, VocabEmbedding)
     wanted = INT4_EMBEDDING_GROUP if embedding else group_size or DEFAULT_INT4_GROUP
     group = GroupQuant.group_for(layer.in_features, wanted, 4)
     if group is None:
         log.warning("kvserve: %s has %d inputs, not a multiple of 32: kept dense", name, layer.in_features)
         return None
-    return get_quant_method("int4", group=group, search=embedding)
+    return get_quant_method("int4", group=group, search=embedding, int8_activations=int8_activations)
 
 
 def checkpoint_names(name: str, layer: Linear) -> list[str]:
@@ -78,7 +80,7 @@ def checkpoint_names(name: str, layer: Linear) -> list[str]:
     return [f"{parent}.{shard}.weight" for shard in layer.shards]
 
 
-def _native(name: str, layer: Linear, gguf_types: dict[str, str]) -> QuantMethod | None:
+def _native(name: str, layer: Linear, gguf_types: dict[str, str], int8_activations: bool) -> QuantMethod | None:
     # a checkpoint that stores a fused layer whole (Phi-3's qkv_proj) names it as the layer is named
     names = [n for n in checkpoint_names(name, layer) if n in gguf_types] or [f"{name}.weight"]
     types = {gguf_types.get(n, "") for n in names}
@@ -90,4 +92,4 @@ def _native(name: str, layer: Linear, gguf_types: dict[str, str]) -> QuantMethod
     bits, group, zeros = layout
     if GroupQuant.group_for(layer.in_features, group, bits) != group:
         return None
-    return GroupQuant(bits, group, zeros)
+    return GroupQuant(bits, group, zeros, int8_activations=int8_activations)

@@ -42,7 +42,8 @@ std::unique_ptr<ExpertStrips> strips_for(const LinearSpec& s, const at::Tensor& 
   switch (s.kind) {
     case LinearSpec::kPacked: return packed_strips(x, s.weight, s.out_features, s.gated, silu, y);
     case LinearSpec::kQuant:
-      return quant_strips(x, s.weight, *s.scales, s.zeros, s.factors, s.group, s.bits, s.max_fused_rows, y);
+      return quant_strips(x, s.weight, *s.scales, s.zeros, s.factors, s.group, s.bits, s.max_fused_rows,
+                          s.quantize_x, y);
     case LinearSpec::kDense: return dense_strips(x, s.weight, s.max_fused_rows, y);
     default: return nullptr;
   }

@@ -15,7 +15,7 @@ at::Tensor LinearSpec::apply(const at::Tensor& x) const {
   if (kind == kPacked) y = packed_linear(x, weight, out_features, gated, false);
   else if (kind == kDense) y = dense_linear(x, weight, max_fused_rows);
   else if (kind == kQuant) y = quant_linear(x, weight, *scales, zeros, factors, group, bits, max_fused_rows,
-                                            max_mid_rows, tile_bytes);
+                                            max_mid_rows, tile_bytes, quantize_x);
   else y = at::linear(x, weight);
   return bias.has_value() ? y + *bias : y;
 }

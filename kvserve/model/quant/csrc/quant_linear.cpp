@@ -10,9 +10,10 @@
 //       its high nibble (llama.cpp's Q4_0 order, so GGUF Q4 blocks copy straight in).
 //
 // Few rows of x (decode): a fused kernel reads each weight once and uses it for up to kFusedRows rows
-// of x; memory traffic is the packed weight only. int4 W with bf16 / float16 x (VNNI): x is quantized
-// to int8 per 32 inputs and multiplied with W's nibbles as bytes (int4_fused); int8 W likewise
-// (int8_fused); float32 x or no VNNI: each weight is dequantized to float in registers.
+// of x; memory traffic is the packed weight only. Where the caller asks for quantized activations
+// (quantize_x), x is quantized to int8 per 32 inputs and multiplied with W's nibbles as bytes: with
+// VNNI int4_fused and int8_fused below, on AVX2 quant_linear_avx2.cpp (which serves every number of
+// rows there). Otherwise each weight is dequantized to float in registers.
 // More rows (up to max_mid_rows): bf16 x with AMX present: 16 x 32 tiles of W dequantized in
 // registers straight into AMX A tiles; AVX2 without AVX-512: float32 panels of W (below). Many rows
 // (prefill) or other CPUs: dequantize a tile of W into x's dtype and hand it to at::mm (oneDNN, MKL),
@@ -955,22 +956,29 @@ QuantWeight check_weight(const at::Tensor& qweight, const at::Tensor& scales, co
 
 }  // namespace
 
-// x: [M, K] float32/bfloat16/float16, contiguous. Returns [M, N] in x's dtype.
+// x: [M, K] float32/bfloat16/float16, contiguous. Returns [M, N] in x's dtype. quantize_x: up to
+// max_fused_rows rows, x may be quantized to int8 per 32 inputs (the integer kernels above, and
+// quant_linear_avx2.cpp on AVX2); otherwise few rows of x stay float (dequantize-and-FMA).
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& zeros, const c10::optional<at::Tensor>& factors,
                         int64_t group, int64_t bits, int64_t max_fused_rows, int64_t max_mid_rows,
-                        int64_t tile_bytes) {
+                        int64_t tile_bytes, bool quantize_x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] matrix");
   const at::Tensor q = qweight.scalar_type() == at::kChar ? qweight.view(at::kByte) : qweight;
   const QuantWeight w = check_weight(q, scales, zeros, factors, group, bits);
   TORCH_CHECK(x.size(1) == w.k, "x has ", x.size(1), " features, the weight ", w.k);
   if (x.size(0) <= max_fused_rows) {
 #if defined(KVSERVE_VNNI)
-    if (bits == 4 && x.scalar_type() == at::kBFloat16) return int4_fused_any<c10::BFloat16>(w, x);
-    if (bits == 4 && x.scalar_type() == at::kHalf) return int4_fused_any<c10::Half>(w, x);
-    if (bits == 8 && !w.factors && w.k % 32 == 0 && x.scalar_type() == at::kBFloat16) return int8_fused<c10::BFloat16>(w, x);
-    if (bits == 8 && !w.factors && w.k % 32 == 0 && x.scalar_type() == at::kHalf) return int8_fused<c10::Half>(w, x);
+    if (quantize_x && bits == 4 && x.scalar_type() == at::kBFloat16) return int4_fused_any<c10::BFloat16>(w, x);
+    if (quantize_x && bits == 4 && x.scalar_type() == at::kHalf) return int4_fused_any<c10::Half>(w, x);
+    if (quantize_x && bits == 4 && x.scalar_type() == at::kFloat) return int4_fused_any<float>(w, x);
+    const bool int8_vnni = quantize_x && bits == 8 && !w.factors && w.k % 32 == 0;
+    if (int8_vnni && x.scalar_type() == at::kBFloat16) return int8_fused<c10::BFloat16>(w, x);
+    if (int8_vnni && x.scalar_type() == at::kHalf) return int8_fused<c10::Half>(w, x);
+    if (int8_vnni && x.scalar_type() == at::kFloat) return int8_fused<float>(w, x);
 #endif
+    const QuantWeightRef ref{w.data, w.scales, w.zeros, w.factors, w.n, w.k, w.group};
+    if (quantize_x && int_linear_avx2_supported(ref, bits)) return int_linear_avx2(ref, bits, x);
     return bits == 4 ? fused<4>(w, x) : fused<8>(w, x);
   }
 #if defined(KVSERVE_AMX)
@@ -1045,7 +1053,7 @@ int64_t vector_bits() {
 }
 
 bool has_int8_activations() {
-#if defined(KVSERVE_VNNI)
+#if defined(KVSERVE_VNNI) || defined(KVSERVE_AVX2)
   return true;
 #else
   return false;
@@ -1207,11 +1215,12 @@ class Int8Strips final : public ExpertStrips {
 
 }  // namespace
 
-// The same dispatch as quant_linear's first branch (x.size(0) <= max_fused_rows).
+// The same dispatch as quant_linear's first branch (x.size(0) <= max_fused_rows). Integer paths
+// without a strips form here (float32 x on VNNI, AVX2) return nullptr: the expert then runs alone.
 std::unique_ptr<ExpertStrips> quant_strips(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                                            const c10::optional<at::Tensor>& zeros,
                                            const c10::optional<at::Tensor>& factors, int64_t group, int64_t bits,
-                                           int64_t max_fused_rows, const at::Tensor& y) {
+                                           int64_t max_fused_rows, bool quantize_x, const at::Tensor& y) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] matrix");
   const at::Tensor q = qweight.scalar_type() == at::kChar ? qweight.view(at::kByte) : qweight;
   const QuantWeight w = check_weight(q, scales, zeros, factors, group, bits);
@@ -1221,13 +1230,15 @@ std::unique_ptr<ExpertStrips> quant_strips(const at::Tensor& x, const at::Tensor
   if (x.size(0) == 0 || x.size(0) > max_fused_rows) return nullptr;
   std::unique_ptr<ExpertStrips> out;
 #if defined(KVSERVE_VNNI)
-  if (bits == 4 && x.scalar_type() == at::kBFloat16) out = int4_strips<c10::BFloat16>(w, x, y);
-  else if (bits == 4 && x.scalar_type() == at::kHalf) out = int4_strips<c10::Half>(w, x, y);
-  else if (bits == 8 && !w.factors && w.k % 32 == 0 && x.scalar_type() == at::kBFloat16)
-    out = std::make_unique<Int8Strips<c10::BFloat16>>(w, x, y);
-  else if (bits == 8 && !w.factors && w.k % 32 == 0 && x.scalar_type() == at::kHalf)
-    out = std::make_unique<Int8Strips<c10::Half>>(w, x, y);
+  const bool int8_vnni = quantize_x && bits == 8 && !w.factors && w.k % 32 == 0;
+  if (quantize_x && bits == 4 && x.scalar_type() == at::kBFloat16) out = int4_strips<c10::BFloat16>(w, x, y);
+  else if (quantize_x && bits == 4 && x.scalar_type() == at::kHalf) out = int4_strips<c10::Half>(w, x, y);
+  else if (int8_vnni && x.scalar_type() == at::kBFloat16) out = std::make_unique<Int8Strips<c10::BFloat16>>(w, x, y);
+  else if (int8_vnni && x.scalar_type() == at::kHalf) out = std::make_unique<Int8Strips<c10::Half>>(w, x, y);
+  else if ((quantize_x && bits == 4) || int8_vnni) return nullptr;  // float32 x in integers
 #endif
+  const QuantWeightRef ref{w.data, w.scales, w.zeros, w.factors, w.n, w.k, w.group};
+  if (!out && quantize_x && int_linear_avx2_supported(ref, bits)) return nullptr;
   if (!out) {
     if (bits == 4) out = std::make_unique<FusedStrips<4>>(w, x, y);
     else out = std::make_unique<FusedStrips<8>>(w, x, y);

@@ -1,0 +1,319 @@
+// int4 / int8 W times int8 x on AVX2 (no AVX-512): quant_linear's integer path on such a CPU, for
+// x of any dtype when the caller asks for quantized activations (quant/methods.py).
+//
+// Each row of x is quantized once per call to int8 with a step dx per 32-input chunk (amax / 127,
+// round to nearest even: the AVX512-VNNI kernels' rule), so 32 weights meet 32 inputs as bytes:
+// vpmaddubsw multiplies an unsigned by a signed byte and adds pairs into int16, vpmaddwd adds those
+// pairs into int32 (or one vpdpbusd where the compiler has AVX-VNNI). int4 weights are the unsigned
+// operand as they are (0..15); int8 weights take the sign trick, |w| times x with w's sign, so each
+// int16 pair sum stays below 2 * 128 * 127 and never saturates. Chunk c of row n then adds
+// scale[group] * dx[c] * dot to a float accumulator (the two halves of a chunk scale apart where a
+// group of 16, 48, ... splits it), and the zero points add sum_g zero[g] * xsum[g], with xsum the sum
+// of the *quantized* x over group g: the result is exactly w . x_hat, |x_hat - x| <= dx / 2 per input.
+//
+// The loop walks W in units of 32 bytes: for int4 a pair of chunks (both nibbles of a 32-byte load
+// are used: the low ones hold the first halves of chunks c and c + 1, the high ones their second
+// halves), for int8 one chunk. x is stored in the same order, so one unit's products for one row of
+// x come out as 8 int32 lanes, lanes 0-3 in chunk c and 4-7 in chunk c + 1 for int4, and take one
+// float multiply-add with a per-lane factor (two where a group of 16, 48, ... splits a chunk). int4's
+// two byte products are added as int16 before the pairs are summed (at most 2 * 2 * 15 * 127).
+//
+// Every row of x goes through the same instructions whatever the number of rows in the call, so a
+// speculative verify (k + 1 rows) gets for each row bitwise what a 1-row call gives it.
+#include "kernels.h"
+#include "simd.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#if defined(KVSERVE_AVX2)
+namespace {
+
+constexpr int kIntRows = 8;  // rows of x per pass over a block of W's rows
+// Rows of W per pass: several share each unit of x for few rows of x; with more rows of x, fewer,
+// so the accumulators (rows of x times rows of W) fit the 16 registers.
+constexpr int int_w_rows(int mb) { return mb <= 2 ? 4 : mb <= 4 ? 2 : 1; }
+
+// Rows of W ahead of the current one to prefetch (a line per 64 bytes read). Cold weights (DRAM), one
+// thread, built for AVX2 on Zen 5: 16 rows ahead took the default model's int4 layers from 2.0 to 1.5
+// ms and its int8 head from 1.6 to 0.77 ms; 32 or 64 rows did no better, nor prefetching the scales.
+constexpr int64_t kPrefetchRows = 16;
+
+// Rows of W per parallel task: a second thread costs a wake-up that a small matrix never earns back,
+// so split only beyond ~256 KB of W, into equal tasks (the default model's qkv, 276 KB, had one task
+// of 910 rows and one of 50). 64 or 32 KB tasks made no difference to its decode steps.
+inline int64_t rows_per_task(int64_t rows, int64_t row_bytes) {
+  const int64_t tasks = std::max<int64_t>(1, rows * row_bytes / (int64_t{1} << 18));
+  return std::max<int64_t>(16, (rows + tasks - 1) / tasks);
+}
+
+// The sums of 4 adjacent u8 * s8 products in each int32 lane.
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// dot_u8s8(a, b) + dot_u8s8(c, d) for int4 weights (a, c <= 15: the int16 sums cannot overflow).
+inline __m256i dot2_u4s8(__m256i a, __m256i b, __m256i c, __m256i d) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, b), c, d);
+#else
+  return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(a, b), _mm256_maddubs_epi16(c, d)),
+                           _mm256_set1_epi16(1));
+#endif
+}
+
+// x quantized, in the units of W (above): int4, 64 bytes per pair of chunks (the first halves of
+// chunks c, c + 1, then their second halves); int8, 32 bytes per chunk. With each unit the 8 lanes'
+// steps (dx of the lane's chunk). Rows go in blocks of kIntRows and a block stores unit by unit:
+// unit u of its row i at q[((block * units + u) * kIntRows + i) * unit_bytes], so the kernel reaches
+// every row of a block from one pointer. xsum: per row, the sum of dx * q over each group
+// (zero-padded to a multiple of 8 groups). Chunks past K (an odd last one for int4) are zero.
+struct QuantizedX {
+  std::vector<int8_t, simd::CacheLineAllocator<int8_t>> q;
+  std::vector<float, simd::CacheLineAllocator<float>> step;
+  std::vector<float> xsum;
+  int64_t units = 0, unit_bytes = 0, gpad = 0;
+  const int8_t* block_q(int64_t m0) const { return q.data() + m0 * units * unit_bytes; }  // m0: a multiple of kIntRows
+  const float* block_step(int64_t m0) const { return step.data() + m0 * units * 8; }
+  const float* row_xsum(int64_t m) const { return xsum.data() + m * gpad; }
+};
+
+// 32 int32 values (each within int8) as 32 bytes in order.
+inline __m256i pack_bytes(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+  return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  // undo the per-lane packs
+}
+
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+// Row r of x (k values, a multiple of 16) into its units (see QuantizedX) and its group sums.
+template <int BITS, typename T>
+void quantize_row(const T* x, int64_t k, int64_t group, QuantizedX& out, int64_t r) {
+  float* xsum = out.xsum.data() + r * out.gpad;
+  std::fill(xsum, xsum + out.gpad, 0.f);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const int64_t chunks_per_unit = BITS == 4 ? 2 : 1, block = r / kIntRows, i = r % kIntRows;
+  for (int64_t c = 0; 32 * c < k; ++c) {
+    const bool half = 32 * c + 32 > k;  // the last chunk of a row ending in half a chunk
+    __m256 v[4];
+    for (int j = 0; j < 4; ++j) v[j] = half && j >= 2 ? _mm256_setzero_ps() : simd::load8(x + 32 * c + 8 * j);
+    const __m256 amax8 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                       _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    const float amax = simd::hmax8(amax8);
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    __m256i qi[4];
+    for (int j = 0; j < 4; ++j) qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));  // to nearest even
+    const __m256i bytes = pack_bytes(qi[0], qi[1], qi[2], qi[3]);
+    const int64_t unit = (block * out.units + c / chunks_per_unit) * kIntRows + i, part = c % chunks_per_unit;
+    int8_t* dst = out.q.data() + unit * out.unit_bytes;
+    if (BITS == 4) {  // the chunk's first half beside its pair's, then its second half
+      _mm_store_si128(reinterpret_cast<__m128i*>(dst + 16 * part), _mm256_castsi256_si128(bytes));
+      _mm_store_si128(reinterpret_cast<__m128i*>(dst + 32 + 16 * part), _mm256_extracti128_si256(bytes, 1));
+    } else {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(dst), bytes);
+    }
+    const float dx = amax / 127.f;
+    std::fill_n(out.step.data() + unit * 8 + 4 * part, 8 / chunks_per_unit, dx);
+    xsum[32 * c / group] += dx * hsum_epi32(_mm256_add_epi32(qi[0], qi[1]));
+    if (!half) xsum[(32 * c + 16) / group] += dx * hsum_epi32(_mm256_add_epi32(qi[2], qi[3]));
+  }
+}
+
+template <int BITS, typename T>
+void quantize_x(const at::Tensor& x, int64_t group, int64_t groups, QuantizedX& out) {
+  const int64_t m = x.size(0), k = x.size(1), padded = (m + kIntRows - 1) / kIntRows * kIntRows;
+  out.units = BITS == 4 ? (k + 63) / 64 : (k + 31) / 32, out.unit_bytes = BITS == 4 ? 64 : 32;
+  out.gpad = (groups + 7) / 8 * 8;
+  out.q.assign(padded * out.units * out.unit_bytes, 0);  // zero: the chunks past K
+  out.step.assign(padded * out.units * 8, 0.f);
+  out.xsum.resize(m * out.gpad);
+  const T* xp = x.data_ptr<T>();
+  auto rows = [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) quantize_row<BITS>(xp + r * k, k, group, out, r);
+  };
+  if (m <= kIntRows) rows(0, m);  // decode: not worth waking the other threads
+  else parallel_for_dynamic(0, m, 16, rows);
+}
+
+// Scales and zero points of row n as floats: scales at params[0, groups), zeros at params[gpad, gpad +
+// groups) (0 without zero points); the caller keeps the rest of each gpad-long half at zero.
+void row_params(const QuantWeightRef& w, int64_t n, int64_t gpad, float* params) {
+  const int64_t groups = w.k / w.group;
+  float* zeros = params + gpad;
+  if (w.factors) {
+    const uint8_t* sc = static_cast<const uint8_t*>(w.scales) + n * groups;
+    const float fs = w.factors[2 * n], fz = w.factors[2 * n + 1];
+    for (int64_t g = 0; g < groups; ++g) params[g] = sc[g] * fs;
+    for (int64_t g = 0; w.zeros && g < groups; ++g) zeros[g] = static_cast<const int8_t*>(w.zeros)[n * groups + g] * fz;
+    return;
+  }
+  const c10::Half* sc = static_cast<const c10::Half*>(w.scales) + n * groups;
+  const c10::Half* zc = w.zeros ? static_cast<const c10::Half*>(w.zeros) + n * groups : nullptr;
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8) {
+    _mm256_storeu_ps(params + g, simd::load8(sc + g));
+    if (w.zeros) _mm256_storeu_ps(zeros + g, simd::load8(zc + g));
+  }
+  for (; g < groups; ++g) {  // vcvtph2ps on one value: c10::Half's own conversion is done in software
+    params[g] = _cvtsh_ss(sc[g].x);
+    if (w.zeros) zeros[g] = _cvtsh_ss(zc[g].x);
+  }
+}
+
+// Scale factors of a unit's lanes 0-3 and 4-7: the groups of half-chunks h0 and h1.
+inline __m256 lane_scales(const float* scales, int32_t h0, int32_t h1) {
+  return _mm256_blend_ps(_mm256_broadcast_ss(scales + h0), _mm256_broadcast_ss(scales + h1), 0xF0);
+}
+
+// Rows [n, n + NR) of W against MB rows of quantized x (from row m0, a multiple of kIntRows), into y
+// (float32, ldy = N). Each row of x and of W is reached from one pointer with constant offsets: with
+// a pointer per row GCC ran out of registers at 8 rows and reloaded them for every product.
+template <int BITS, bool SPLIT, int MB, int NR>
+inline void int_block(const QuantWeightRef& w, const int32_t* group_of, const QuantizedX& xq, int64_t m0,
+                      const float* params, int64_t n, float* y) {
+  const int64_t row_bytes = BITS == 4 ? w.k / 2 : w.k, units = xq.units, gpad = xq.gpad;
+  const int64_t last = row_bytes % 32 ? units - 1 : units;  // a unit with only its first 16 bytes, if any
+  const int8_t* xb = xq.block_q(m0);
+  const float* sb = xq.block_step(m0);
+  const uint8_t* wr = w.data + n * row_bytes;
+  const __m256i low4 = _mm256_set1_epi8(15);
+  __m256 acc[NR][MB];
+#pragma GCC unroll 4
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+  for (int64_t u = 0; u < units; ++u) {
+    // half-chunks of lanes 0-3 / 4-7: int4, the first (lo) or second (hi) halves of chunks 2u, 2u + 1;
+    // int8, the two halves of chunk u
+    const int32_t* h = group_of + (BITS == 4 ? 4 * u : 2 * u);
+    const int32_t lo0 = h[0], lo1 = BITS == 4 ? h[2] : h[1], hi0 = h[1], hi1 = BITS == 4 ? h[3] : h[1];
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* wp = wr + r * row_bytes + 32 * u;
+      if (u % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetchRows * row_bytes), _MM_HINT_T0);
+      const __m256i wv = u == last ? _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)))
+                                   : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
+      const float* sc = params + r * 2 * gpad;
+      // int8 without split groups: one group for the whole chunk
+      const __m256 slo = BITS == 4 || SPLIT ? lane_scales(sc, lo0, lo1) : _mm256_broadcast_ss(sc + lo0);
+      if constexpr (BITS == 4) {
+        const __m256i wlo = _mm256_and_si256(wv, low4), whi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low4);
+        const __m256 shi = SPLIT ? lane_scales(sc, hi0, hi1) : slo;
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m) {
+          const int8_t* xp = xb + (u * kIntRows + m) * 64;
+          const __m256i xlo = _mm256_load_si256(reinterpret_cast<const __m256i*>(xp));
+          const __m256i xhi = _mm256_load_si256(reinterpret_cast<const __m256i*>(xp + 32));
+          const __m256 dx = _mm256_load_ps(sb + (u * kIntRows + m) * 8);
+          if constexpr (SPLIT) {
+            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(wlo, xlo)), _mm256_mul_ps(slo, dx), acc[r][m]);
+            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(whi, xhi)), _mm256_mul_ps(shi, dx), acc[r][m]);
+          } else {
+            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2_u4s8(wlo, xlo, whi, xhi)), _mm256_mul_ps(slo, dx),
+                                        acc[r][m]);
+          }
+        }
+      } else {
+        const __m256i wabs = _mm256_abs_epi8(wv);  // -128 becomes 0x80: 128 as the unsigned operand
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m) {
+          const __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(xb + (u * kIntRows + m) * 32));
+          const __m256 dx = _mm256_load_ps(sb + (u * kIntRows + m) * 8);
+          const __m256i d = dot_u8s8(wabs, _mm256_sign_epi8(xv, wv));
+          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(slo, dx), acc[r][m]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < NR; ++r) {
+    const float* zeros = params + r * 2 * gpad + gpad;
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      __m256 sum = acc[r][m];
+      const float* xsum = xq.row_xsum(m0 + m);
+      for (int64_t g = 0; w.zeros && g < gpad; g += 8)
+        sum = _mm256_fmadd_ps(_mm256_loadu_ps(zeros + g), _mm256_loadu_ps(xsum + g), sum);
+      y[(m0 + m) * w.n + n + r] = simd::hsum8(sum);
+    }
+  }
+}
+
+// Rows [n0, n1) of W against MB rows of x from m0, NR rows of W at a time (the last few one at a time).
+template <int BITS, bool SPLIT, int MB>
+void int_rows(const QuantWeightRef& w, const int32_t* group_of, const QuantizedX& xq, int64_t m0, int64_t n0,
+              int64_t n1, float* params, float* y) {
+  constexpr int NR = int_w_rows(MB);
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) {
+    for (int r = 0; r < NR; ++r) row_params(w, n + r, xq.gpad, params + r * 2 * xq.gpad);
+    int_block<BITS, SPLIT, MB, NR>(w, group_of, xq, m0, params, n, y);
+  }
+  for (; n < n1; ++n) {
+    row_params(w, n, xq.gpad, params);
+    int_block<BITS, SPLIT, MB, 1>(w, group_of, xq, m0, params, n, y);
+  }
+}
+
+template <int BITS, bool SPLIT>
+at::Tensor int_linear(const QuantWeightRef& w, const at::Tensor& x) {
+  const int64_t m = x.size(0), groups = w.k / w.group;
+  thread_local QuantizedX xq;  // the calling thread's, reused across calls; the workers read it
+  switch (x.scalar_type()) {
+    case at::kFloat: quantize_x<BITS, float>(x, w.group, groups, xq); break;
+    case at::kBFloat16: quantize_x<BITS, c10::BFloat16>(x, w.group, groups, xq); break;
+    case at::kHalf: quantize_x<BITS, c10::Half>(x, w.group, groups, xq); break;
+    default: TORCH_CHECK(false, "quant_linear: x must be float32, bfloat16 or float16");
+  }
+  // The group of each half-chunk of the units (past K: the last group, where x is zero).
+  std::vector<int32_t> group_of(xq.units * xq.unit_bytes / 16);
+  for (size_t h = 0; h < group_of.size(); ++h)
+    group_of[h] = static_cast<int32_t>(std::min<int64_t>(groups - 1, 16 * static_cast<int64_t>(h) / w.group));
+  const QuantizedX& xr = xq;
+  at::Tensor y = at::empty({m, w.n}, x.options().dtype(at::kFloat));
+  float* yp = y.data_ptr<float>();
+  parallel_for_dynamic(0, w.n, rows_per_task(w.n, BITS == 4 ? w.k / 2 : w.k), [&](int64_t n0, int64_t n1) {
+    std::vector<float> params(4 * 2 * xr.gpad, 0.f);  // NR rows' scales and zeros, zero-padded
+    for (int64_t m0 = 0; m0 < m; m0 += kIntRows)
+      with_few_rows<kIntRows>(std::min<int64_t>(kIntRows, m - m0), [&](auto mb) {
+        int_rows<BITS, SPLIT, decltype(mb)::value>(w, group_of.data(), xr, m0, n0, n1, params.data(), yp);
+      });
+  });
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+}  // namespace
+
+bool int_linear_avx2_supported(const QuantWeightRef& w, int64_t bits) {
+  return w.group % 16 == 0 && (bits == 8 || w.k % 32 == 0);
+}
+
+at::Tensor int_linear_avx2(const QuantWeightRef& w, int64_t bits, const at::Tensor& x) {
+  TORCH_CHECK(int_linear_avx2_supported(w, bits), "int_linear_avx2: groups must be multiples of 16");
+  const bool split = w.group % 32 != 0;
+  if (bits == 4) return split ? int_linear<4, true>(w, x) : int_linear<4, false>(w, x);
+  return split ? int_linear<8, true>(w, x) : int_linear<8, false>(w, x);
+}
+
+#else
+
+bool int_linear_avx2_supported(const QuantWeightRef&, int64_t) { return false; }
+
+at::Tensor int_linear_avx2(const QuantWeightRef&, int64_t, const at::Tensor&) {
+  TORCH_CHECK(false, "int_linear_avx2: built without AVX2 (or with AVX-512)");
+}
+
+#endif
