@@ -115,10 +115,9 @@ def test_stop_aborts_the_request_and_frees_its_kv_blocks(server, browser):
     _set(browser, "seed", "7")
     browser.find_element(By.ID, "prompt").send_keys("tell me a long story")
     browser.find_element(By.ID, "send").click()
-    # seed 7 streams ~700 tokens (about two seconds here) before its EOS: stop it well before that
+    # seed 7 streams ~700 tokens before its EOS, well under a second on a fast CPU: click stop as
+    # soon as the first text shows; the abort counter below proves the request was still running.
     _wait(browser, lambda d: _replies(d)[-1].find_element(By.CSS_SELECTOR, ".content").text)
-    assert server.metric("kvserve:num_requests_running") == 1
-    assert server.metric("kvserve:kv_cache_usage_perc") > 0
     browser.find_element(By.ID, "stop").click()
     _wait(browser, lambda d: "done" in _replies(d)[-1].get_attribute("class"))
     assert "stopped" in _replies(browser)[-1].find_element(By.CSS_SELECTOR, ".stats").text
