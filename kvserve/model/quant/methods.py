@@ -219,6 +219,29 @@ class GroupQuant(QuantMethod):
         for dense, rows in getattr(layer, "_pending_weights", []):
             self._store(layer, dense, rows)
         layer._pending_weights = []
+        if self._strips_wanted(layer):
+            strips = packing.to_strips(layer.qweight, layer.scales, layer.zeros, layer.factors, self.bits)
+            for name, tensor in zip(("qweight", "scales", "zeros", "factors"), strips):
+                setattr(layer, name, tensor)
+
+    def _strips_wanted(self, layer) -> bool:
+        """Whether to repack W as strips (packing.to_strips) for the few-row VNNI kernels: 16-bit
+        activations on a CPU with AVX512-VNNI and without AMX. AMX CPUs keep rows: their kernel past
+        the few rows (AMX tiles) reads W by rows. The strips' other paths (prefill, float32 x)
+        dequantize tiles of W for at::mm, as rows do."""
+        kernels = load_quant_kernels()
+        return (kernels is not None and layer.qweight.device.type == "cpu"
+                and layer.dtype in (torch.bfloat16, torch.float16)
+                and kernels.has_int8_activations() and not kernels.has_amx()
+                and layer.out_features % 16 == 0 and layer.in_features % 32 == 0 and self.layer_group(layer) % 32 == 0)
+
+    def _rows(self, layer, rows: torch.Tensor | None = None):
+        """(qweight, scales, zeros, factors) in the row-major layout: every row, or ``rows``."""
+        if layer.qweight.dim() == 3:
+            return packing.from_strips(layer.qweight, layer.scales, layer.zeros, layer.factors, self.bits, rows)
+        if rows is None:
+            return layer.qweight, layer.scales, layer.zeros, layer.factors
+        return tuple(None if t is None else t[rows] for t in (layer.qweight, layer.scales, layer.zeros, layer.factors))
 
     def _store(self, layer, tensor: CheckpointTensor, rows: tuple[int, int] | None) -> None:
         group = self.layer_group(layer)
@@ -296,13 +319,12 @@ class GroupQuant(QuantMethod):
                                   _TILE_BYTES)
 
     def dense(self, layer, dtype: torch.dtype) -> torch.Tensor:
-        return packing.dequantize(layer.qweight, layer.scales, layer.zeros, self.bits, dtype, layer.factors)
+        q, scales, zeros, factors = self._rows(layer)
+        return packing.dequantize(q, scales, zeros, self.bits, dtype, factors)
 
     def embed(self, layer, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        zeros = None if layer.zeros is None else layer.zeros[flat]
-        factors = None if layer.factors is None else layer.factors[flat]
-        rows = packing.dequantize(layer.qweight[flat], layer.scales[flat], zeros, self.bits, layer.dtype, factors)
+        q, scales, zeros, factors = self._rows(layer, ids.reshape(-1))
+        rows = packing.dequantize(q, scales, zeros, self.bits, layer.dtype, factors)
         return rows.reshape(*ids.shape, layer.in_features)
 
 
