@@ -854,18 +854,22 @@ void parallel_for_streams(int64_t n, int64_t piece, const F& f) {
     return;
   }
   const int64_t shares = std::min(threads, (n + piece - 1) / piece);
-  std::vector<int64_t> end(shares);
-  std::unique_ptr<std::atomic<int64_t>[]> next(new std::atomic<int64_t>[shares]);
+  piece = std::max(piece, n / (8 * shares));  // a big W: fewer, larger pieces
+  struct alignas(64) Share {  // a line each: the threads' counters must not share one
+    std::atomic<int64_t> next;
+    int64_t end;
+  };
+  std::unique_ptr<Share[]> share(new Share[shares]);
   for (int64_t t = 0; t < shares; ++t) {
-    next[t] = n * t / shares;
-    end[t] = n * (t + 1) / shares;
+    share[t].next = n * t / shares;
+    share[t].end = n * (t + 1) / shares;
   }
 #pragma omp parallel num_threads(static_cast<int>(shares))
   {
     const int64_t me = omp_get_thread_num();
     for (int64_t i = 0; i < shares; ++i) {
-      const int64_t t = (me + i) % shares;
-      for (int64_t a = next[t].fetch_add(piece); a < end[t]; a = next[t].fetch_add(piece)) f(a, std::min(end[t], a + piece));
+      Share& sh = share[(me + i) % shares];
+      for (int64_t a = sh.next.fetch_add(piece); a < sh.end; a = sh.next.fetch_add(piece)) f(a, std::min(sh.end, a + piece));
     }
   }
 }
