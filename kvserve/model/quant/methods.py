@@ -37,6 +37,11 @@ _MAX_AMX_ROWS = 256
 # Without AMX, bf16 rows past the fused kernel go to the dequantized tiles + at::mm, which the fused
 # kernel beats up to 16-24 rows on the default model's GGUF layers (4x at 4 rows, even by 32).
 _MAX_FUSED_ROWS_WITHOUT_AMX = 16
+# W repacked as strips (VNNI without AMX, GroupQuant._strips_wanted): the strips' kernel runs 16-bit x
+# up to here. On the default model's layers (Zen 5, two threads) it took half the time of the
+# dequantized tiles + at::mm at 8-64 rows and 0.7-0.8x at 128-256, even at 512; prefill chunks past
+# this keep at::mm on bf16 tiles of W.
+_MAX_STRIP_ROWS = 256
 # AVX2 (no AVX-512): x of any dtype is multiplied in float32, by the fused kernel up to 8 rows, then
 # against float32 panels of W for every batch (csrc/quant_linear.cpp): on the default model's GGUF
 # layers the panels overtake the fused kernel at about 8 rows.
@@ -310,13 +315,14 @@ class GroupQuant(QuantMethod):
             if args is None or args[0] is not layer._buffers["qweight"]:  # first call, or tensors rebound
                 args = layer._kernel_args = (layer.qweight, layer.scales, layer.zeros, layer.factors,
                                              self.layer_group(layer), self.bits)
-            y = kernels.quant_linear(flat.contiguous(), *args, _max_fused_rows(x.dtype), _max_mid_rows(), _TILE_BYTES)
+            fused_rows = _MAX_STRIP_ROWS if args[0].dim() == 3 else _max_fused_rows(x.dtype)
+            y = kernels.quant_linear(flat.contiguous(), *args, fused_rows, _max_mid_rows(), _TILE_BYTES)
         return y.reshape(*x.shape[:-1], layer.out_features)
 
     def kernel_spec(self, layer, kernels):
+        fused_rows = _MAX_STRIP_ROWS if layer.qweight.dim() == 3 else _max_fused_rows(layer.dtype)
         return kernels.LinearSpec(1, layer.qweight, layer.scales, layer.zeros, layer.factors, layer.bias,
-                                  self.layer_group(layer), self.bits, _max_fused_rows(layer.dtype), _max_mid_rows(),
-                                  _TILE_BYTES)
+                                  self.layer_group(layer), self.bits, fused_rows, _max_mid_rows(), _TILE_BYTES)
 
     def dense(self, layer, dtype: torch.dtype) -> torch.Tensor:
         q, scales, zeros, factors = self._rows(layer)
