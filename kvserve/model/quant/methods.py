@@ -8,7 +8,8 @@ of each output row, as float16 or as 8-bit codes (see packing.py for the layouts
   - GGUF blocks kept in their own quantization: Q4_0/Q4_1/Q4_K as int4 groups of 32, and
     Q8_0/Q5_0/Q5_1/Q5_K (groups of 32) and Q6_K (groups of 16) as int8, all exact (gguf_blocks.py).
 On the CPU the C++ kernels in csrc/quant_linear.cpp apply it; elsewhere (or without a compiler)
-the weight is dequantized per call and multiplied with torch (correct, not fast).
+the weight is dequantized per call and multiplied with torch (correct, not fast). On a CPU with
+AVX512-VNNI and without AMX the loaded weight is repacked as strips (packing.to_strips) for them.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ int4 values (0..15) are packed two per byte in 32-value chunks: byte ``16c + j``
 ``32c + j`` in its low nibble and ``32c + 16 + j`` in its high nibble (llama.cpp's Q4_0 order, so GGUF
 Q4 blocks copy straight in). The C++ kernels (csrc/quant_linear.cpp) read exactly this layout; the
 functions here are their reference and the fallback where the kernels cannot be built.
+
+On CPUs with AVX512-VNNI and without AMX a loaded weight is repacked as *strips* (``to_strips``): 16
+output channels side by side, one per 32-bit lane, which the few-row kernels there read.
 """
 
 from __future__ import annotations

@@ -9,6 +9,11 @@
 //       16c .. 16c + 15, byte 16c + j holding value 32c + j in its low nibble and 32c + 16 + j in
 //       its high nibble (llama.cpp's Q4_0 order, so GGUF Q4 blocks copy straight in).
 //
+// On CPUs with VNNI and without AMX, W may instead be repacked at load as strips of 16 output channels
+// (qweight [S, C, 256 or 512], see the strips' section), which a kernel of its own reads for up to a
+// few hundred rows of 16-bit x; past those rows, and for float32 x, tiles of W are dequantized for
+// at::mm as for rows.
+//
 // Few rows of x (decode): a fused kernel reads each weight once and uses it for up to kFusedRows rows
 // of x; memory traffic is the packed weight only. int4 W with bf16 / float16 x (VNNI): x is quantized
 // to int8 per 32 inputs and multiplied with W's nibbles as bytes (int4_fused); int8 W likewise
