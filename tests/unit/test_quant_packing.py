@@ -261,6 +261,8 @@ def test_strips_round_trip(bits, group, coded, zeros):
     ids = torch.tensor([95, 0, 17, 17])  # an embedding lookup: these rows, in this order
     for a, b in zip((q, s, z, f), packing.from_strips(*strips, bits, ids)):
         assert (a is None and b is None) or torch.equal(a[ids], b)
+    dense = packing.dequantize(q, s, z, bits, torch.float32, f)
+    assert torch.equal(packing.dequantize_strip_rows(*strips, bits, ids, torch.float32), dense[ids])
 
 
 @pytest.mark.parametrize("bits, group, coded, zeros", [(4, 32, True, True), (4, 32, False, True), (4, 96, True, True),

@@ -330,8 +330,13 @@ class GroupQuant(QuantMethod):
         return packing.dequantize(q, scales, zeros, self.bits, dtype, factors)
 
     def embed(self, layer, ids: torch.Tensor) -> torch.Tensor:
-        q, scales, zeros, factors = self._rows(layer, ids.reshape(-1))
-        rows = packing.dequantize(q, scales, zeros, self.bits, layer.dtype, factors)
+        flat = ids.reshape(-1)
+        if layer.qweight.dim() == 3:
+            rows = packing.dequantize_strip_rows(layer.qweight, layer.scales, layer.zeros, layer.factors, self.bits,
+                                                 flat, layer.dtype)
+        else:
+            q, scales, zeros, factors = self._rows(layer, flat)
+            rows = packing.dequantize(q, scales, zeros, self.bits, layer.dtype, factors)
         return rows.reshape(*ids.shape, layer.in_features)
 
 
