@@ -274,6 +274,106 @@ def test_few_row_kernel_rows_do_not_depend_on_the_batch(bits, group, n, dtype):
         assert torch.equal(kernels.quant_linear(x[:rows].contiguous(), *args), single[:rows])
 
 
+# ---- strips: W repacked at load for the few-row VNNI kernels (packing.to_strips) --------------------
+def _strip_weight(bits: int, group: int, coded: bool, zeros: bool, n: int = 96, k: int = 576, seed: int = 0):
+    torch.manual_seed(seed)
+    w = torch.randn(n, k) * 0.1
+    if bits == 4:
+        q, s, z, f = packing.quantize_int4(w, group, coded=coded)
+    else:
+        q, s = packing.quantize_int8(w, group)
+        z, f = ((torch.randn_like(s.float()) * s.float() * 20).half() if zeros else None), None
+    return q, s, z, f
+
+
+@pytest.mark.parametrize("bits, group, coded, zeros", [(4, 32, True, True), (4, 64, False, True), (8, 32, False, False),
+                                                       (8, 64, False, True)])
+def test_strips_round_trip(bits, group, coded, zeros):
+    q, s, z, f = _strip_weight(bits, group, coded, zeros)
+    strips = packing.to_strips(q, s, z, f, bits)
+    assert strips[0].shape == (6, 18, 256 if bits == 4 else 512) and strips[1].shape == (6, 576 // group, 16)
+    for a, b in zip((q, s, z, f), packing.from_strips(*strips, bits)):
+        assert (a is None and b is None) or torch.equal(a, b)
+    ids = torch.tensor([95, 0, 17, 17])  # an embedding lookup: these rows, in this order
+    for a, b in zip((q, s, z, f), packing.from_strips(*strips, bits, ids)):
+        assert (a is None and b is None) or torch.equal(a[ids], b)
+    dense = packing.dequantize(q, s, z, bits, torch.float32, f)
+    assert torch.equal(packing.dequantize_strip_rows(*strips, bits, ids, torch.float32), dense[ids])
+
+
+@pytest.mark.parametrize("bits, group, coded, zeros", [(4, 32, True, True), (4, 32, False, True), (4, 96, True, True),
+                                                       (4, 192, False, True), (8, 32, False, False), (8, 64, False, True)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_strip_kernel_computes_w_dot_quantized_x(bits, group, coded, zeros, dtype):
+    """The strips' kernel quantizes x as the row-major few-row kernels do (int8 per 32 inputs) and
+    computes w . x_hat; past its rows (and for float32 x) W's tiles are dequantized for at::mm."""
+    kernels = _kernels()
+    if not kernels.has_int8_activations():
+        pytest.skip("the strips' kernels need AVX512-VNNI")
+    q, s, z, f = _strip_weight(bits, group, coded, zeros)
+    strips = packing.to_strips(q, s, z, f, bits)
+    ref_w = packing.dequantize(q, s, z, bits, torch.float32, f)
+    out_eps = 2**-8 if dtype == torch.bfloat16 else 2**-11
+    for rows in (1, 3, 8, 11):
+        x = torch.randn(rows, 576)
+        x[:, 7] *= 30  # an outlier input: its chunk's step is large
+        x[-1] = 0  # an all-zero row (step 0)
+        x = x.to(dtype)
+        y = kernels.quant_linear(x, *strips, group, bits, 256, 0, 4096)
+        assert y.dtype == dtype and y.shape == (rows, 96)
+        x_hat, _, tie_step = _int8_blocks(x)
+        emulated = x_hat @ ref_w.T
+        atol = 1e-5 * (x_hat.abs() @ ref_w.abs().T).max().item()
+        assert ((y.float() - emulated).abs() <= tie_step @ ref_w.abs().T * 1.001 + atol + out_eps * emulated.abs()).all()
+        # the rows past the kernel's (prefill) multiply bf16 / fp16 tiles of W, as rows of W would be
+        tiled = kernels.quant_linear(x, *strips, group, bits, 0, 0, 4096)
+        ref = x.float() @ ref_w.T
+        torch.testing.assert_close(tiled.float(), ref, atol=3e-2 * ref.abs().max().item(), rtol=3e-2)
+    x32 = torch.randn(5, 576)
+    y32 = kernels.quant_linear(x32, *strips, group, bits, 256, 0, 4096)  # float32 x: dequantized tiles
+    torch.testing.assert_close(y32, x32 @ ref_w.T, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_strip_kernel_rows_do_not_depend_on_the_batch(bits):
+    # Every row of x gets bitwise what a 1-row call gives it, whatever the rows around it: a verify
+    # step (k + 1 rows of one request) scores what plain decoding would, and decode batches too.
+    kernels = _kernels()
+    if not kernels.has_int8_activations():
+        pytest.skip("the strips' kernels need AVX512-VNNI")
+    q, s, z, f = _strip_weight(bits, 32, bits == 4, False, n=208)
+    args = (*packing.to_strips(q, s, z, f, bits), 32, bits, 256, 0, 4096)
+    x = torch.randn(19, 576).bfloat16()
+    single = torch.cat([kernels.quant_linear(x[i:i + 1].contiguous(), *args) for i in range(19)])
+    for rows in (2, 5, 8, 9, 16, 19):
+        assert torch.equal(kernels.quant_linear(x[:rows].contiguous(), *args), single[:rows])
+
+
+def test_strips_serve_a_quantized_layer():
+    """A bf16 layer on a CPU with VNNI and without AMX keeps W only as strips; its products, the
+    embedding lookup and the dense weight read them."""
+    from kvserve.model.layers.linear import VocabEmbedding
+    from kvserve.model.quant.methods import int4
+
+    kernels = _kernels()
+    if not kernels.has_int8_activations() or kernels.has_amx():
+        pytest.skip("W is repacked as strips on VNNI CPUs without AMX")
+    torch.manual_seed(0)
+    w = torch.randn(64, 96) * 0.1
+    layer = VocabEmbedding(64, 96, torch.bfloat16)
+    layer.set_method(int4(group=32))
+    layer.load_weight("weight", w, None, "embed")
+    layer.method.finish_loading(layer)
+    assert layer.qweight.shape == (4, 3, 256)
+    dense = layer.method.dense(layer, torch.float32)
+    q, scales, zeros, factors = packing.quantize_int4(w, 32, coded=True)
+    assert torch.equal(dense, packing.dequantize(q, scales, zeros, 4, torch.float32, factors))
+    ids = torch.tensor([[3, 63], [17, 3]])
+    assert torch.equal(layer(ids), dense.bfloat16()[ids])
+    x = torch.randn(2, 96).bfloat16()
+    torch.testing.assert_close(layer.project(x).float(), x.float() @ dense.T, atol=0.05, rtol=0.05)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 40, 300])
 def test_dense_bf16_kernel_matches_torch(rows):
     kernels = _kernels()

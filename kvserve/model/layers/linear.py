@@ -17,7 +17,8 @@ from kvserve.model.quant.registry import CheckpointTensor, QuantMethod, get_quan
 class Linear(torch.nn.Module):
     """y = x W^T (+ b). ``shards`` names the checkpoint tensors stacked into this weight, if any."""
 
-    # Whether rows of W are looked up (token embeddings): a method must then keep W as stored.
+    # Whether rows of W are looked up (token embeddings): a method must then be able to read a row of W
+    # cheaply (the dense method keeps W as stored besides its packed copy; int4 / int8 strips gather it).
     row_lookup = False
     # Whether a quantization option may change this layer's storage (a MoE router may not).
     quantizable = True

@@ -8,7 +8,8 @@ of each output row, as float16 or as 8-bit codes (see packing.py for the layouts
   - GGUF blocks kept in their own quantization: Q4_0/Q4_1/Q4_K as int4 groups of 32, and
     Q8_0/Q5_0/Q5_1/Q5_K (groups of 32) and Q6_K (groups of 16) as int8, all exact (gguf_blocks.py).
 On the CPU the C++ kernels in csrc/quant_linear.cpp apply it; elsewhere (or without a compiler)
-the weight is dequantized per call and multiplied with torch (correct, not fast).
+the weight is dequantized per call and multiplied with torch (correct, not fast). On a CPU with
+AVX512-VNNI and without AMX the loaded weight is repacked as strips (packing.to_strips) for them.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ _MAX_AMX_ROWS = 256
 # Without AMX, bf16 rows past the fused kernel go to the dequantized tiles + at::mm, which the fused
 # kernel beats up to 16-24 rows on the default model's GGUF layers (4x at 4 rows, even by 32).
 _MAX_FUSED_ROWS_WITHOUT_AMX = 16
+# W repacked as strips (VNNI without AMX, GroupQuant._strips_wanted): the strips' kernel runs 16-bit x
+# up to here. On the default model's layers (Zen 5, two threads) it took half the time of the
+# dequantized tiles + at::mm at 8-64 rows and 0.7-0.8x at 128-256, even at 512; prefill chunks past
+# this keep at::mm on bf16 tiles of W.
+_MAX_STRIP_ROWS = 256
 # AVX2 (no AVX-512) with float activations: x of any dtype is multiplied in float32, by the fused
 # kernel up to 8 rows, then against float32 panels of W for every batch (csrc/quant_linear.cpp): on
 # the default model's GGUF layers the panels overtake the fused kernel at about 8 rows.
@@ -228,6 +234,30 @@ class GroupQuant(QuantMethod):
         for dense, rows in getattr(layer, "_pending_weights", []):
             self._store(layer, dense, rows)
         layer._pending_weights = []
+        if self._strips_wanted(layer):
+            strips = packing.to_strips(layer.qweight, layer.scales, layer.zeros, layer.factors, self.bits)
+            for name, tensor in zip(("qweight", "scales", "zeros", "factors"), strips):
+                setattr(layer, name, tensor)
+
+    def _strips_wanted(self, layer) -> bool:
+        """Whether to repack W as strips (packing.to_strips) for the few-row VNNI kernels: 16-bit
+        activations on a CPU with AVX512-VNNI and without AMX. AMX CPUs keep rows: their kernel past
+        the few rows (AMX tiles) reads W by rows. The strips' other paths (prefill, float32 x)
+        dequantize tiles of W for at::mm, as rows do."""
+        kernels = load_quant_kernels()
+        return (self.int8_activations and kernels is not None and layer.qweight.device.type == "cpu"
+                and layer.dtype in (torch.bfloat16, torch.float16)
+                and kernels.vector_bits() == 512 and kernels.has_int8_activations()  # AVX512-VNNI
+                and not kernels.has_amx()
+                and layer.out_features % 16 == 0 and layer.in_features % 32 == 0 and self.layer_group(layer) % 32 == 0)
+
+    def _rows(self, layer, rows: torch.Tensor | None = None):
+        """(qweight, scales, zeros, factors) in the row-major layout: every row, or ``rows``."""
+        if layer.qweight.dim() == 3:
+            return packing.from_strips(layer.qweight, layer.scales, layer.zeros, layer.factors, self.bits, rows)
+        if rows is None:
+            return layer.qweight, layer.scales, layer.zeros, layer.factors
+        return tuple(None if t is None else t[rows] for t in (layer.qweight, layer.scales, layer.zeros, layer.factors))
 
     def _store(self, layer, tensor: CheckpointTensor, rows: tuple[int, int] | None) -> None:
         group = self.layer_group(layer)
@@ -297,8 +327,8 @@ class GroupQuant(QuantMethod):
                 args = layer._kernel_args = (layer.qweight, layer.scales, layer.zeros, layer.factors,
                                              self.layer_group(layer), self.bits)
             int8_x = self._int8_x(args[4])
-            y = kernels.quant_linear(flat.contiguous(), *args, _max_fused_rows(x.dtype, int8_x), _max_mid_rows(),
-                                     _TILE_BYTES, int8_x)
+            fused_rows = _MAX_STRIP_ROWS if args[0].dim() == 3 else _max_fused_rows(x.dtype, int8_x)
+            y = kernels.quant_linear(flat.contiguous(), *args, fused_rows, _max_mid_rows(), _TILE_BYTES, int8_x)
         return y.reshape(*x.shape[:-1], layer.out_features)
 
     def _int8_x(self, group: int) -> bool:
@@ -308,18 +338,23 @@ class GroupQuant(QuantMethod):
 
     def kernel_spec(self, layer, kernels):
         group = self.layer_group(layer)
+        int8_x = self._int8_x(group)
+        fused_rows = _MAX_STRIP_ROWS if layer.qweight.dim() == 3 else _max_fused_rows(layer.dtype, int8_x)
         return kernels.LinearSpec(1, layer.qweight, layer.scales, layer.zeros, layer.factors, layer.bias, group,
-                                  self.bits, _max_fused_rows(layer.dtype, self._int8_x(group)), _max_mid_rows(),
-                                  _TILE_BYTES, quantize_x=self._int8_x(group))
+                                  self.bits, fused_rows, _max_mid_rows(), _TILE_BYTES, quantize_x=int8_x)
 
     def dense(self, layer, dtype: torch.dtype) -> torch.Tensor:
-        return packing.dequantize(layer.qweight, layer.scales, layer.zeros, self.bits, dtype, layer.factors)
+        q, scales, zeros, factors = self._rows(layer)
+        return packing.dequantize(q, scales, zeros, self.bits, dtype, factors)
 
     def embed(self, layer, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        zeros = None if layer.zeros is None else layer.zeros[flat]
-        factors = None if layer.factors is None else layer.factors[flat]
-        rows = packing.dequantize(layer.qweight[flat], layer.scales[flat], zeros, self.bits, layer.dtype, factors)
+        if layer.qweight.dim() == 3:
+            rows = packing.dequantize_strip_rows(layer.qweight, layer.scales, layer.zeros, layer.factors, self.bits,
+                                                 flat, layer.dtype)
+        else:
+            q, scales, zeros, factors = self._rows(layer, flat)
+            rows = packing.dequantize(q, scales, zeros, self.bits, layer.dtype, factors)
         return rows.reshape(*ids.shape, layer.in_features)
 
 

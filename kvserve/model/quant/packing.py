@@ -13,6 +13,9 @@ int4 values (0..15) are packed two per byte in 32-value chunks: byte ``16c + j``
 ``32c + j`` in its low nibble and ``32c + 16 + j`` in its high nibble (llama.cpp's Q4_0 order, so GGUF
 Q4 blocks copy straight in). The C++ kernels (csrc/quant_linear.cpp) read exactly this layout; the
 functions here are their reference and the fallback where the kernels cannot be built.
+
+On CPUs with AVX512-VNNI and without AMX a loaded weight is repacked as *strips* (``to_strips``): 16
+output channels side by side, one per 32-bit lane, which the few-row kernels there read.
 """
 
 from __future__ import annotations
@@ -36,6 +39,70 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     n, half = packed.shape
     chunks = packed.reshape(n, half // 16, 1, 16)
     return torch.cat((chunks & 15, chunks >> 4), dim=2).reshape(n, half * 2)
+
+
+def to_strips(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, factors: torch.Tensor | None,
+              bits: int):
+    """A row-major weight -> the strips the few-row VNNI kernels read (csrc/quant_linear.cpp, "Strips"):
+    16 output channels per strip, 32 inputs per chunk, a channel per 32-bit lane. N must be a multiple
+    of 16 and K of 32. Returns (qweight [S, C, 256 or 512] uint8, scales and zeros [S, G, 16],
+    factors [S, 2, 16])."""
+    n = qweight.shape[0]
+    strips = n // 16
+    if bits == 4:
+        v = unpack_int4(qweight)  # value (strip, lane, chunk, j, half, byte) is input 32c + 8j + 4 half + byte
+        chunks = v.shape[1] // 32
+        v = v.reshape(strips, 16, chunks, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+        q = (v[..., 0] | (v[..., 1] << 4)).reshape(strips, chunks, 256)
+    else:  # w + 128 as bytes (strip, chunk, j, lane, byte): input 32c + 4j + byte
+        chunks = qweight.shape[1] // 32
+        v = (qweight.to(torch.int16) + 128).to(torch.uint8).reshape(strips, 16, chunks, 8, 4)
+        q = v.permute(0, 2, 3, 1, 4).reshape(strips, chunks, 512)
+
+    def lanes(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.reshape(strips, 16, -1).transpose(1, 2).contiguous()
+
+    return q.contiguous(), lanes(scales), lanes(zeros), lanes(factors)
+
+
+def from_strips(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                factors: torch.Tensor | None, bits: int, rows: torch.Tensor | None = None):
+    """The row-major (qweight, scales, zeros, factors) of a weight stored as strips (inverse of
+    ``to_strips``): every row, or only ``rows`` (an embedding lookup)."""
+    strips, chunks, _ = qweight.shape
+    ids = torch.arange(strips * 16) if rows is None else rows.reshape(-1)
+    s, lane = ids // 16, ids % 16
+    if bits == 4:
+        b = qweight.reshape(strips, chunks, 4, 16, 4)[s, :, :, lane]  # [R, chunk, j, byte]
+        v = torch.stack((b & 15, b >> 4), dim=-1).transpose(-1, -2)  # [R, chunk, j, half, byte]
+        q = pack_int4(v.reshape(len(ids), chunks * 32))
+    else:
+        b = qweight.reshape(strips, chunks, 8, 16, 4)[s, :, :, lane]  # [R, chunk, j, byte]
+        q = (b.reshape(len(ids), chunks * 32).to(torch.int16) - 128).to(torch.int8)
+
+    def rows_of(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[s, :, lane]
+
+    return q, rows_of(scales), rows_of(zeros), rows_of(factors)
+
+
+def dequantize_strip_rows(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                          factors: torch.Tensor | None, bits: int, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``rows`` of a weight stored as strips, dense in ``dtype`` (an embedding lookup): the
+    values of ``dequantize(*from_strips(..., rows))``, in half as many tensor ops (one a token)."""
+    strips, chunks, _ = qweight.shape
+    s, lane = rows // 16, rows % 16
+    if bits == 4:
+        b = qweight.view(strips, chunks, 4, 16, 4)[s, :, :, lane]  # [R, chunk, j, byte]
+        q = torch.stack((b & 15, b >> 4), dim=-2).float()  # [R, chunk, j, half, byte]
+    else:
+        q = qweight.view(strips, chunks, 8, 16, 4)[s, :, :, lane].float() - 128
+    scale, zero = decode_params(scales[s, :, lane], None if zeros is None else zeros[s, :, lane],
+                                None if factors is None else factors[s, :, lane])
+    w = q.reshape(len(rows), scale.shape[1], -1) * scale[:, :, None]
+    if zero is not None:
+        w = w + zero[:, :, None]
+    return w.reshape(len(rows), -1).to(dtype)
 
 
 def decode_params(scales: torch.Tensor, zeros: torch.Tensor | None, factors: torch.Tensor | None):

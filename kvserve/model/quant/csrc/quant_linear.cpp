@@ -9,6 +9,11 @@
 //       16c .. 16c + 15, byte 16c + j holding value 32c + j in its low nibble and 32c + 16 + j in
 //       its high nibble (llama.cpp's Q4_0 order, so GGUF Q4 blocks copy straight in).
 //
+// On CPUs with VNNI and without AMX, W may instead be repacked at load as strips of 16 output channels
+// (qweight [S, C, 256 or 512], see the strips' section), which a kernel of its own reads for up to a
+// few hundred rows of 16-bit x; past those rows, and for float32 x, tiles of W are dequantized for
+// at::mm as for rows.
+//
 // Few rows of x (decode): a fused kernel reads each weight once and uses it for up to kFusedRows rows
 // of x; memory traffic is the packed weight only. Where the caller asks for quantized activations
 // (quantize_x), x is quantized to int8 per 32 inputs and multiplied with W's nibbles as bytes: with
@@ -27,7 +32,9 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <memory>
 #include <vector>
 #if defined(__AVX512F__) || defined(KVSERVE_AVX2)
 #include <immintrin.h>
@@ -714,6 +721,278 @@ void dequant_rows(const QuantWeight& w, int64_t n0, int64_t n1, T* out) {
   }
 }
 
+#if defined(KVSERVE_VNNI)
+// ---- Strips: W repacked at load for the few-row VNNI kernels (packing.py, to_strips) ---------------
+// The row-major kernels above sum each output channel across the lanes of a vector: every block of W
+// needs its groups' scales permuted into lanes, and every row ends in a reduction, which on the
+// default model's short rows (576 inputs) cost as much as the dot products. Here a lane is an output
+// channel, as in the packed bf16 layout: W is cut into strips of 16 channels and chunks of 32 inputs,
+//   int4 (qweight [S, C, 256]): vector j (64 bytes) of chunk c, lane l = channel 16s + l, byte b:
+//        input 32c + 8j + b in its low nibble, 32c + 8j + 4 + b in its high one;
+//   int8 (qweight [S, C, 512]): vector j, lane l, byte b: w + 128 of input 32c + 4j + b (unsigned,
+//        so that x is the signed operand of vpdpbusd; the 128 * sum(x) it adds is taken off per chunk);
+//   scales, zeros [S, G, 16]: group g of the strip's 16 channels (codes or float16), factors [S, 2, 16].
+// Each 4 bytes of x (int8 per 32 inputs, as for the row-major kernels) is broadcast against 16 channels,
+// a chunk's integer sums are scaled once by a vector of 16 channels' scales, and a strip ends in one
+// store of 16 outputs. Every row of x goes through the same instructions in the same order whatever
+// the rows of the call, so each row's result is bitwise that of a 1-row call.
+struct StripX {  // rows of x quantized for the strip kernels, each row at a stride of its own
+  const int8_t* q;      // [rows][k]: int8, natural order
+  const float* step;    // [rows][chunks]: dx of each chunk
+  const int32_t* qsum;  // [rows][chunks]: 128 * sum(q) of each chunk (the int8 weights' offset)
+  const float* xsum;    // [rows][groups]: sum of dx * q over each group (the zero points' term)
+  int64_t k, chunks, groups;
+};
+
+template <typename T>
+void quantize_strip_x(const T* x, int64_t k, int64_t group, int8_t* q, float* step, int32_t* qsum, float* xsum) {
+  std::fill(xsum, xsum + k / group, 0.f);
+  for (int64_t c = 0; c < k / 32; ++c) {
+    const __m512 a = load16(x + 32 * c), b = load16(x + 32 * c + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));  // round to nearest even
+    const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * c), _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * c + 16), _mm512_cvtepi32_epi8(qb));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    step[c] = dx;
+    qsum[c] = 128 * sum;
+    xsum[32 * c / group] += dx * static_cast<float>(sum);
+  }
+}
+
+// Scales (CODED: the codes, the factors come at the end) or zero points of group g of strip s.
+template <bool CODED>
+inline __m512 strip_scales(const QuantWeight& w, int64_t s, int64_t g) {
+  const int64_t at = (s * w.groups() + g) * 16;
+  if (CODED) return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(w.scales) + at))));
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const c10::Half*>(w.scales) + at)));
+}
+template <bool CODED>
+inline __m512 strip_zeros(const QuantWeight& w, int64_t s, int64_t g) {
+  const int64_t at = (s * w.groups() + g) * 16;
+  if (CODED) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(w.zeros) + at))));
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const c10::Half*>(w.zeros) + at)));
+}
+
+// How far ahead (bytes) the strip kernels prefetch W, into L1. Without it one thread streamed the
+// default model's layers at ~60% of a plain read of the same bytes; 4-8 KB ahead reaches the read.
+constexpr int64_t kStripPrefetchBytes = 4096;
+
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Strip s of W against MB rows of x (rows of y at ldy): y[m][16s .. 16s + 15].
+template <typename T, int BITS, bool CODED, int MB>
+void strip_rows(const QuantWeight& w, const StripX& x, int64_t s, T* y, int64_t ldy) {
+  constexpr int64_t kChunkBytes = BITS == 4 ? 256 : 512;
+  // One or two rows: two chains of vpdpbusd per row, so consecutive ones do not wait on each other.
+  constexpr int kChains = MB <= 2 ? 2 : 1;
+  const int64_t per_group = w.group / 32;
+  const uint8_t* ws = w.data + s * x.chunks * kChunkBytes;
+  const __m512i low4 = _mm512_set1_epi8(15);
+  __m512 acc[MB], zacc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = zacc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < x.groups; ++g) {
+    const __m512 scale = strip_scales<CODED>(w, s, g);
+    for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
+      const uint8_t* wc = ws + c * kChunkBytes;
+      for (int64_t line = 0; line < kChunkBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(wc + kStripPrefetchBytes + line), _MM_HINT_T0);
+      __m512i sum[kChains][MB];
+      for (int i = 0; i < kChains; ++i)
+        for (int m = 0; m < MB; ++m) sum[i][m] = _mm512_setzero_si512();
+      if constexpr (BITS == 4) {
+        for (int j = 0; j < 4; ++j) {
+          const __m512i v = _mm512_load_si512(wc + 64 * j);
+          const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          for (int m = 0; m < MB; ++m) {
+            const int8_t* xm = x.q + m * x.k + 32 * c + 8 * j;
+            sum[0][m] = _mm512_dpbusd_epi32(sum[0][m], lo, broadcast4(xm));
+            sum[kChains - 1][m] = _mm512_dpbusd_epi32(sum[kChains - 1][m], hi, broadcast4(xm + 4));
+          }
+        }
+      } else {
+        for (int j = 0; j < 8; ++j) {
+          const __m512i v = _mm512_load_si512(wc + 64 * j);
+          for (int m = 0; m < MB; ++m)
+            sum[j % kChains][m] = _mm512_dpbusd_epi32(sum[j % kChains][m], v, broadcast4(x.q + m * x.k + 32 * c + 4 * j));
+        }
+      }
+      for (int m = 0; m < MB; ++m) {
+        __m512i d = kChains == 2 ? _mm512_add_epi32(sum[0][m], sum[kChains - 1][m]) : sum[0][m];
+        if constexpr (BITS == 8) d = _mm512_sub_epi32(d, _mm512_set1_epi32(x.qsum[m * x.chunks + c]));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(scale, _mm512_set1_ps(x.step[m * x.chunks + c])), acc[m]);
+      }
+    }
+    if (w.zeros) {
+      const __m512 zero = strip_zeros<CODED>(w, s, g);
+      for (int m = 0; m < MB; ++m) zacc[m] = _mm512_fmadd_ps(zero, _mm512_set1_ps(x.xsum[m * x.groups + g]), zacc[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    __m512 out;
+    if (CODED) {
+      const float* f = w.factors + s * 32;  // the strip's 16 scale steps, then its 16 zero steps
+      out = _mm512_fmadd_ps(acc[m], _mm512_loadu_ps(f), _mm512_mul_ps(zacc[m], _mm512_loadu_ps(f + 16)));
+    } else {
+      out = _mm512_add_ps(acc[m], zacc[m]);
+    }
+    store16(y + m * ldy + 16 * s, out);
+  }
+}
+
+// f(begin, end) over [0, n) in pieces of `piece`: each thread streams its own contiguous share of W,
+// piece after piece, then takes what is left of the others' (a thread that another process delays
+// leaves its rest to the others). Handing out small pieces to whichever thread asked
+// (parallel_for_dynamic) cut each thread's stream at every piece, and with the software prefetch
+// running past each piece's end the default model's step was ~10% slower; one share per thread was
+// as fast as this but waits for a delayed thread.
+template <typename F>
+void parallel_for_streams(int64_t n, int64_t piece, const F& f) {
+  const int64_t threads = at::get_num_threads();
+  if (threads == 1 || n <= piece || omp_in_parallel()) {
+    f(0, n);
+    return;
+  }
+  const int64_t shares = std::min(threads, (n + piece - 1) / piece);
+  piece = std::max(piece, n / (8 * shares));  // a big W: fewer, larger pieces
+  struct alignas(64) Share {  // a line each: the threads' counters must not share one
+    std::atomic<int64_t> next;
+    int64_t end;
+  };
+  std::unique_ptr<Share[]> share(new Share[shares]);
+  for (int64_t t = 0; t < shares; ++t) {
+    share[t].next = n * t / shares;
+    share[t].end = n * (t + 1) / shares;
+  }
+#pragma omp parallel num_threads(static_cast<int>(shares))
+  {
+    const int64_t me = omp_get_thread_num();
+    for (int64_t i = 0; i < shares; ++i) {
+      Share& sh = share[(me + i) % shares];
+      for (int64_t a = sh.next.fetch_add(piece); a < sh.end; a = sh.next.fetch_add(piece)) f(a, std::min(sh.end, a + piece));
+    }
+  }
+}
+
+template <typename T, int BITS, bool CODED>
+at::Tensor strip_fused(const QuantWeight& w, const at::Tensor& x) {
+  const int64_t m = x.size(0), chunks = w.k / 32, groups = w.groups(), strips = w.n / 16;
+  // One scratch buffer per calling thread, reused across calls: x's bytes, steps, offsets and sums.
+  thread_local std::vector<__m512i> scratch;
+  const int64_t q_vecs = (m * w.k + 63) / 64, s_vecs = (m * chunks + 15) / 16, g_vecs = (m * groups + 15) / 16;
+  scratch.resize(q_vecs + 2 * s_vecs + g_vecs);
+  int8_t* q = reinterpret_cast<int8_t*>(scratch.data());
+  float* step = reinterpret_cast<float*>(scratch.data() + q_vecs);
+  int32_t* qsum = reinterpret_cast<int32_t*>(scratch.data() + q_vecs + s_vecs);
+  float* xsum = reinterpret_cast<float*>(scratch.data() + q_vecs + 2 * s_vecs);
+  const T* xp = x.data_ptr<T>();
+  for (int64_t r = 0; r < m; ++r)
+    quantize_strip_x(xp + r * w.k, w.k, w.group, q + r * w.k, step + r * chunks, qsum + r * chunks, xsum + r * groups);
+  at::Tensor y = at::empty({m, w.n}, x.options());
+  T* yp = y.data_ptr<T>();
+  // Pieces of ~16 KB of W, and every thread takes part: inside a decode step the threads are awake,
+  // and the default model's smallest projection (576 x 576, 166 KB as int4) still gains from both.
+  const int64_t strip_bytes = chunks * (BITS == 4 ? 256 : 512);
+  parallel_for_streams(strips, std::max<int64_t>(1, (int64_t{1} << 14) / strip_bytes), [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s)
+      for (int64_t m0 = 0; m0 < m; m0 += kVnniRows) {
+        const StripX xs{q + m0 * w.k, step + m0 * chunks, qsum + m0 * chunks, xsum + m0 * groups, w.k, chunks, groups};
+        with_few_rows<kVnniRows>(std::min<int64_t>(kVnniRows, m - m0), [&](auto mb) {
+          strip_rows<T, BITS, CODED, decltype(mb)::value>(w, xs, s, yp + m0 * w.n, w.n);
+        });
+      }
+  });
+  return y;
+}
+
+template <typename T>
+at::Tensor strip_fused_any(const QuantWeight& w, const at::Tensor& x, int64_t bits) {
+  if (bits == 8) return strip_fused<T, 8, false>(w, x);
+  return w.factors ? strip_fused<T, 4, true>(w, x) : strip_fused<T, 4, false>(w, x);
+}
+
+// Strips [s0, s1) dequantized and transposed: out[k][16 (s - s0) + l] = W[16 s + l][k], ld columns.
+template <typename T, int BITS>
+void dequant_strips_t(const QuantWeight& w, int64_t s0, int64_t s1, T* out, int64_t ld) {
+  constexpr int64_t kChunkBytes = BITS == 4 ? 256 : 512;
+  const int64_t chunks = w.k / 32, per_group = w.group / 32;
+  for (int64_t s = s0; s < s1; ++s) {
+    const uint8_t* ws = w.data + s * chunks * kChunkBytes;
+    T* col = out + 16 * (s - s0);
+    const __m512 fs = w.factors ? _mm512_loadu_ps(w.factors + 32 * s) : _mm512_set1_ps(1.f);
+    const __m512 fz = w.factors ? _mm512_loadu_ps(w.factors + 32 * s + 16) : _mm512_set1_ps(1.f);
+    for (int64_t g = 0; g < w.groups(); ++g) {
+      // scale * q + zero, with the scale and zero as row_params computes them (code * step)
+      const __m512 scale = w.factors ? _mm512_mul_ps(strip_scales<true>(w, s, g), fs) : strip_scales<false>(w, s, g);
+      const __m512 zero = !w.zeros ? _mm512_setzero_ps()
+                          : w.factors ? _mm512_mul_ps(strip_zeros<true>(w, s, g), fz) : strip_zeros<false>(w, s, g);
+      for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
+        const uint8_t* wc = ws + c * kChunkBytes;
+        for (int j = 0; j < (BITS == 4 ? 4 : 8); ++j) {
+          const __m512i v = _mm512_load_si512(wc + 64 * j);
+          for (int b = 0; b < 4; ++b) {
+            const __m512i byte = _mm512_and_si512(_mm512_srli_epi32(v, 8 * b), _mm512_set1_epi32(255));
+            if (BITS == 4) {
+              const __m512i lo = _mm512_and_si512(byte, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(byte, 4);
+              store16(col + (32 * c + 8 * j + b) * ld, _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), scale, zero));
+              store16(col + (32 * c + 8 * j + 4 + b) * ld, _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), scale, zero));
+            } else {
+              const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(byte, _mm512_set1_epi32(128)));
+              store16(col + (32 * c + 4 * j + b) * ld, _mm512_fmadd_ps(q, scale, zero));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Many rows of x (prefill, decode batches), or float32 x: L2-sized tiles of W^T dequantized from the
+// strips, each multiplied by at::mm.
+template <typename T>
+at::Tensor strip_tiled(const QuantWeight& w, const at::Tensor& x, int64_t bits, int64_t tile_bytes) {
+  const int64_t m = x.size(0), strips = w.n / 16;
+  const int64_t tile = std::min(strips, std::max<int64_t>(1, tile_bytes / (16 * w.k * static_cast<int64_t>(sizeof(T)))));
+  at::Tensor buf = at::empty({tile * 16 * w.k}, x.options());
+  at::Tensor y = tile == strips ? at::Tensor() : at::empty({m, w.n}, x.options());
+  for (int64_t s0 = 0; s0 < strips; s0 += tile) {
+    const int64_t count = std::min(tile, strips - s0), cols = 16 * count;
+    at::Tensor wt = buf.narrow(0, 0, w.k * cols).view({w.k, cols});
+    T* bp = wt.data_ptr<T>();
+    at::parallel_for(0, count, 1, [&](int64_t a, int64_t b) {
+      if (bits == 4) dequant_strips_t<T, 4>(w, s0 + a, s0 + b, bp + 16 * a, cols);
+      else dequant_strips_t<T, 8>(w, s0 + a, s0 + b, bp + 16 * a, cols);
+    });
+    at::Tensor part = at::mm(x, wt);
+    if (tile == strips) return part;
+    y.narrow(1, 16 * s0, cols).copy_(part);
+  }
+  return y;
+}
+
+at::Tensor strip_linear(const QuantWeight& w, const at::Tensor& x, int64_t bits, int64_t max_fused_rows,
+                        int64_t tile_bytes) {
+  if (x.size(0) <= max_fused_rows && x.scalar_type() == at::kBFloat16) return strip_fused_any<c10::BFloat16>(w, x, bits);
+  if (x.size(0) <= max_fused_rows && x.scalar_type() == at::kHalf) return strip_fused_any<c10::Half>(w, x, bits);
+#if !defined(KVSERVE_BF16)  // no bf16 arithmetic: float32 tiles and sgemm (tiled_any)
+  if (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf)
+    return strip_tiled<float>(w, x.to(at::kFloat), bits, tile_bytes).to(x.scalar_type());
+#endif
+  switch (x.scalar_type()) {
+    case at::kFloat: return strip_tiled<float>(w, x, bits, tile_bytes);
+    case at::kBFloat16: return strip_tiled<c10::BFloat16>(w, x, bits, tile_bytes);
+    case at::kHalf: return strip_tiled<c10::Half>(w, x, bits, tile_bytes);
+    default: TORCH_CHECK(false, "quant_linear: x must be float32, bfloat16 or float16");
+  }
+}
+#endif
+
 #if !defined(__AVX512F__) && defined(KVSERVE_AVX2)
 // ---- AVX2: a batch of rows of x against float32 panels of W ------------------------------------------
 // Past a few rows the fused loop loses to its own overheads: it dequantizes W again for every
@@ -954,6 +1233,34 @@ QuantWeight check_weight(const at::Tensor& qweight, const at::Tensor& scales, co
   return QuantWeight{qweight.data_ptr<uint8_t>(), scales.data_ptr(), zp, fp, n, k, group};
 }
 
+// A weight repacked as strips (qweight [S, C, 256 or 512], scales and zeros [S, G, 16], factors
+// [S, 2, 16]; see the strips' section above).
+QuantWeight check_strips(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
+                         const c10::optional<at::Tensor>& factors, int64_t group, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(qweight.is_contiguous() && qweight.size(2) == (bits == 4 ? 256 : 512), "strips: qweight must be [S, C, ",
+              bits == 4 ? 256 : 512, "]");
+  const int64_t n = qweight.size(0) * 16, k = qweight.size(1) * 32;
+  const bool coded = factors.has_value() && factors->defined();
+  TORCH_CHECK(group % 32 == 0 && k % group == 0, "strips: groups must be whole chunks of 32 inputs");
+  TORCH_CHECK(scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == n / 16 && scales.size(1) == k / group &&
+                  scales.size(2) == 16 && scales.scalar_type() == (coded ? at::kByte : at::kHalf),
+              "strips: scales must be [S, G, 16], uint8 codes or float16");
+  const void* zp = nullptr;
+  if (zeros.has_value() && zeros->defined()) {
+    TORCH_CHECK(zeros->is_contiguous() && zeros->sizes() == scales.sizes() &&
+                    zeros->scalar_type() == (coded ? at::kChar : at::kHalf), "strips: zeros must be shaped like scales");
+    zp = zeros->data_ptr();
+  }
+  const float* fp = nullptr;
+  if (coded) {
+    TORCH_CHECK(bits == 4 && factors->is_contiguous() && factors->scalar_type() == at::kFloat &&
+                    factors->numel() == n * 2, "strips: factors must be float32 [S, 2, 16]");
+    fp = factors->data_ptr<float>();
+  }
+  return QuantWeight{qweight.data_ptr<uint8_t>(), scales.data_ptr(), zp, fp, n, k, group};
+}
+
 }  // namespace
 
 // x: [M, K] float32/bfloat16/float16, contiguous. Returns [M, N] in x's dtype. quantize_x: up to
@@ -965,6 +1272,15 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
                         int64_t tile_bytes, bool quantize_x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] matrix");
   const at::Tensor q = qweight.scalar_type() == at::kChar ? qweight.view(at::kByte) : qweight;
+  if (q.dim() == 3) {  // repacked as strips at load (CPUs with VNNI and without AMX)
+#if defined(KVSERVE_VNNI)
+    const QuantWeight w = check_strips(q, scales, zeros, factors, group, bits);
+    TORCH_CHECK(x.size(1) == w.k, "x has ", x.size(1), " features, the weight ", w.k);
+    return strip_linear(w, x, bits, quantize_x ? max_fused_rows : 0, tile_bytes);
+#else
+    TORCH_CHECK(false, "quant_linear: a weight packed as strips needs AVX512-VNNI");
+#endif
+  }
   const QuantWeight w = check_weight(q, scales, zeros, factors, group, bits);
   TORCH_CHECK(x.size(1) == w.k, "x has ", x.size(1), " features, the weight ", w.k);
   if (x.size(0) <= max_fused_rows) {
@@ -1223,6 +1539,7 @@ std::unique_ptr<ExpertStrips> quant_strips(const at::Tensor& x, const at::Tensor
                                            int64_t max_fused_rows, bool quantize_x, const at::Tensor& y) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] matrix");
   const at::Tensor q = qweight.scalar_type() == at::kChar ? qweight.view(at::kByte) : qweight;
+  if (q.dim() == 3) return nullptr;  // W repacked as strips: quant_linear's strip kernels, alone
   const QuantWeight w = check_weight(q, scales, zeros, factors, group, bits);
   TORCH_CHECK(x.size(1) == w.k, "x has ", x.size(1), " features, the weight ", w.k);
   TORCH_CHECK(y.is_contiguous() && y.scalar_type() == x.scalar_type() && y.size(0) == x.size(0) && y.size(1) == w.n,
