@@ -808,7 +808,7 @@ void strip_rows(const QuantWeight& w, const StripX& x, int64_t s, T* y, int64_t 
         for (int m = 0; m < MB; ++m) sum[i][m] = _mm512_setzero_si512();
       if constexpr (BITS == 4) {
         for (int j = 0; j < 4; ++j) {
-          const __m512i v = _mm512_load_si512(wc + 64 * j);
+          const __m512i v = _mm512_loadu_si512(wc + 64 * j);
           const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
           for (int m = 0; m < MB; ++m) {
             const int8_t* xm = x.q + m * x.k + 32 * c + 8 * j;
@@ -818,7 +818,7 @@ void strip_rows(const QuantWeight& w, const StripX& x, int64_t s, T* y, int64_t 
         }
       } else {
         for (int j = 0; j < 8; ++j) {
-          const __m512i v = _mm512_load_si512(wc + 64 * j);
+          const __m512i v = _mm512_loadu_si512(wc + 64 * j);
           for (int m = 0; m < MB; ++m)
             sum[j % kChains][m] = _mm512_dpbusd_epi32(sum[j % kChains][m], v, broadcast4(x.q + m * x.k + 32 * c + 4 * j));
         }
@@ -935,7 +935,7 @@ void dequant_strips_t(const QuantWeight& w, int64_t s0, int64_t s1, T* out, int6
       for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
         const uint8_t* wc = ws + c * kChunkBytes;
         for (int j = 0; j < (BITS == 4 ? 4 : 8); ++j) {
-          const __m512i v = _mm512_load_si512(wc + 64 * j);
+          const __m512i v = _mm512_loadu_si512(wc + 64 * j);
           for (int b = 0; b < 4; ++b) {
             const __m512i byte = _mm512_and_si512(_mm512_srli_epi32(v, 8 * b), _mm512_set1_epi32(255));
             if (BITS == 4) {
