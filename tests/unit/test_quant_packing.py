@@ -308,7 +308,7 @@ def test_strip_kernel_computes_w_dot_quantized_x(bits, group, coded, zeros, dtyp
     """The strips' kernel quantizes x as the row-major few-row kernels do (int8 per 32 inputs) and
     computes w . x_hat; past its rows (and for float32 x) W's tiles are dequantized for at::mm."""
     kernels = _kernels()
-    if not kernels.has_int8_activations():
+    if not (kernels.vector_bits() == 512 and kernels.has_int8_activations()):
         pytest.skip("the strips' kernels need AVX512-VNNI")
     q, s, z, f = _strip_weight(bits, group, coded, zeros)
     strips = packing.to_strips(q, s, z, f, bits)
@@ -319,18 +319,18 @@ def test_strip_kernel_computes_w_dot_quantized_x(bits, group, coded, zeros, dtyp
         x[:, 7] *= 30  # an outlier input: its chunk's step is large
         x[-1] = 0  # an all-zero row (step 0)
         x = x.to(dtype)
-        y = kernels.quant_linear(x, *strips, group, bits, 256, 0, 4096)
+        y = kernels.quant_linear(x, *strips, group, bits, 256, 0, 4096, True)
         assert y.dtype == dtype and y.shape == (rows, 96)
         x_hat, _, tie_step = _int8_blocks(x)
         emulated = x_hat @ ref_w.T
         atol = 1e-5 * (x_hat.abs() @ ref_w.abs().T).max().item()
         assert ((y.float() - emulated).abs() <= tie_step @ ref_w.abs().T * 1.001 + atol + out_eps * emulated.abs()).all()
         # the rows past the kernel's (prefill) multiply bf16 / fp16 tiles of W, as rows of W would be
-        tiled = kernels.quant_linear(x, *strips, group, bits, 0, 0, 4096)
+        tiled = kernels.quant_linear(x, *strips, group, bits, 0, 0, 4096, True)
         ref = x.float() @ ref_w.T
         torch.testing.assert_close(tiled.float(), ref, atol=3e-2 * ref.abs().max().item(), rtol=3e-2)
     x32 = torch.randn(5, 576)
-    y32 = kernels.quant_linear(x32, *strips, group, bits, 256, 0, 4096)  # float32 x: dequantized tiles
+    y32 = kernels.quant_linear(x32, *strips, group, bits, 256, 0, 4096, True)  # float32 x: dequantized tiles
     torch.testing.assert_close(y32, x32 @ ref_w.T, atol=1e-4, rtol=1e-4)
 
 
@@ -339,10 +339,10 @@ def test_strip_kernel_rows_do_not_depend_on_the_batch(bits):
     # Every row of x gets bitwise what a 1-row call gives it, whatever the rows around it: a verify
     # step (k + 1 rows of one request) scores what plain decoding would, and decode batches too.
     kernels = _kernels()
-    if not kernels.has_int8_activations():
+    if not (kernels.vector_bits() == 512 and kernels.has_int8_activations()):
         pytest.skip("the strips' kernels need AVX512-VNNI")
     q, s, z, f = _strip_weight(bits, 32, bits == 4, False, n=208)
-    args = (*packing.to_strips(q, s, z, f, bits), 32, bits, 256, 0, 4096)
+    args = (*packing.to_strips(q, s, z, f, bits), 32, bits, 256, 0, 4096, True)
     x = torch.randn(19, 576).bfloat16()
     single = torch.cat([kernels.quant_linear(x[i:i + 1].contiguous(), *args) for i in range(19)])
     for rows in (2, 5, 8, 9, 16, 19):
@@ -356,7 +356,7 @@ def test_strips_serve_a_quantized_layer():
     from kvserve.model.quant.methods import int4
 
     kernels = _kernels()
-    if not kernels.has_int8_activations() or kernels.has_amx():
+    if not (kernels.vector_bits() == 512 and kernels.has_int8_activations()) or kernels.has_amx():
         pytest.skip("W is repacked as strips on VNNI CPUs without AMX")
     torch.manual_seed(0)
     w = torch.randn(64, 96) * 0.1

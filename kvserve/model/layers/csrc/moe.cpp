@@ -28,7 +28,11 @@ constexpr int64_t kMinItemBytes = int64_t{1} << 16;
 
 using Grouped = std::vector<std::pair<int64_t, std::unique_ptr<ExpertStrips>>>;  // (expert, its strips)
 
-int64_t out_features(const LinearSpec& s) { return s.kind == LinearSpec::kPacked ? s.out_features : s.weight.size(0); }
+// A quantized W repacked as strips (qweight [S, C, bytes]) holds 16 output channels a strip.
+int64_t out_features(const LinearSpec& s) {
+  if (s.kind == LinearSpec::kPacked) return s.out_features;
+  return s.kind == LinearSpec::kQuant && s.weight.dim() == 3 ? 16 * s.weight.size(0) : s.weight.size(0);
+}
 
 int64_t optional_bytes(const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined() ? t->nbytes() : 0; }
 
