@@ -635,7 +635,8 @@ at::Tensor pack_bf16_weight(const at::Tensor& weight, bool gated) {
   return out;
 }
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool gated, bool silu_mul) {
+// The checks packed_linear and packed_strips share: x and the packed weight agree, and the kernels can run.
+static void check_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool gated, bool silu_mul) {
   TORCH_CHECK(packed_linear_supported(), "the packed bf16 layout needs AVX512-BF16 or AVX2");
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
                   packed.size(2) == 16 && packed.size(3) == 32 && n > 0 && (n + 15) / 16 == packed.size(0),
@@ -643,8 +644,12 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(1) == packed.size(1) * 32,
               "x must be a contiguous bfloat16 [M, K] matrix, K = ", packed.size(1) * 32);
   TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0, "packed must start on a cache line");
-  TORCH_CHECK(!gated || n % 32 == 0, "a gated weight has N a multiple of 32");
   TORCH_CHECK(gated || !silu_mul, "silu_mul needs a weight packed as gated");
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool gated, bool silu_mul) {
+  check_packed(x, packed, n, gated, silu_mul);
+  TORCH_CHECK(!gated || n % 32 == 0, "a gated weight has N a multiple of 32");
   at::Tensor y = at::empty({x.size(0), silu_mul ? n / 2 : n}, x.options());
 #if defined(KVSERVE_BF16)
   const uint16_t* w = static_cast<const uint16_t*>(packed.data_ptr());
@@ -666,14 +671,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 
 std::unique_ptr<ExpertStrips> packed_strips(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool gated,
                                             bool silu_mul, const at::Tensor& y) {
-  TORCH_CHECK(packed_linear_supported(), "the packed bf16 layout needs AVX512-BF16 or AVX2");
-  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
-                  packed.size(2) == 16 && packed.size(3) == 32 && n > 0 && (n + 15) / 16 == packed.size(0),
-              "packed must be pack_bf16_weight's [N / 16, K / 32, 16, 32] of an [n, K] weight");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(1) == packed.size(1) * 32,
-              "x must be a contiguous bfloat16 [M, K] matrix, K = ", packed.size(1) * 32);
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0, "packed must start on a cache line");
-  TORCH_CHECK(gated || !silu_mul, "silu_mul needs a weight packed as gated");
+  check_packed(x, packed, n, gated, silu_mul);
   TORCH_CHECK(y.is_contiguous() && y.scalar_type() == at::kBFloat16 && y.size(0) == x.size(0) &&
                   y.size(1) == (silu_mul ? n / 2 : n),
               "y must be a contiguous bfloat16 [M, N] matrix ([M, N / 2] for silu_mul)");

@@ -45,12 +45,7 @@ namespace {
 constexpr int kFusedRows = 4;  // rows of x that share one pass over the weights
 constexpr int64_t kDenseTileBytes = int64_t{1} << 20;  // dense_tiled's float32 tile of W
 
-struct QuantWeight {
-  const uint8_t* data;
-  const void* scales;   // c10::Half, or uint8 codes when `factors` is set
-  const void* zeros;    // c10::Half, or int8 codes when `factors` is set; nullptr: no zero points
-  const float* factors;  // [n, 2] per-row steps of the codes; nullptr: float16 scales and zeros
-  int64_t n, k, group;
+struct QuantWeight : QuantWeightRef {  // the fields are kernels.h's, shared with the AVX2 file
   int64_t row_bytes(int bits) const { return bits == 4 ? k / 2 : bits == 8 ? k : 2 * k; }
   int64_t groups() const { return k / group; }
 };
@@ -1230,7 +1225,7 @@ QuantWeight check_weight(const at::Tensor& qweight, const at::Tensor& scales, co
                 factors->size(0) == n && factors->size(1) == 2, "factors must be float32 [N, 2]");
     fp = factors->data_ptr<float>();
   }
-  return QuantWeight{qweight.data_ptr<uint8_t>(), scales.data_ptr(), zp, fp, n, k, group};
+  return QuantWeight{{qweight.data_ptr<uint8_t>(), scales.data_ptr(), zp, fp, n, k, group}};
 }
 
 // A weight repacked as strips (qweight [S, C, 256 or 512], scales and zeros [S, G, 16], factors
@@ -1258,7 +1253,7 @@ QuantWeight check_strips(const at::Tensor& qweight, const at::Tensor& scales, co
                     factors->numel() == n * 2, "strips: factors must be float32 [S, 2, 16]");
     fp = factors->data_ptr<float>();
   }
-  return QuantWeight{qweight.data_ptr<uint8_t>(), scales.data_ptr(), zp, fp, n, k, group};
+  return QuantWeight{{qweight.data_ptr<uint8_t>(), scales.data_ptr(), zp, fp, n, k, group}};
 }
 
 }  // namespace
@@ -1293,7 +1288,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
     if (int8_vnni && x.scalar_type() == at::kHalf) return int8_fused<c10::Half>(w, x);
     if (int8_vnni && x.scalar_type() == at::kFloat) return int8_fused<float>(w, x);
 #endif
-    const QuantWeightRef ref{w.data, w.scales, w.zeros, w.factors, w.n, w.k, w.group};
+    const QuantWeightRef& ref = w;
     if (quantize_x && int_linear_avx2_supported(ref, bits)) return int_linear_avx2(ref, bits, x);
     return bits == 4 ? fused<4>(w, x) : fused<8>(w, x);
   }
@@ -1336,7 +1331,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, int64_t m
               "weight must be a contiguous bfloat16 [N, K] matrix");
   const int64_t n = weight.size(0), k = weight.size(1);
   TORCH_CHECK(x.size(1) == k && k % 32 == 0, "x has ", x.size(1), " features, the weight ", k, " (a multiple of 32)");
-  const QuantWeight w{static_cast<const uint8_t*>(weight.data_ptr()), nullptr, nullptr, nullptr, n, k, k};
+  const QuantWeight w{{static_cast<const uint8_t*>(weight.data_ptr()), nullptr, nullptr, nullptr, n, k, k}};
   if (x.size(0) <= max_fused_rows) return fused<16>(w, x);
   return dense_tiled(x, weight, kDenseTileBytes);
 }
@@ -1554,7 +1549,7 @@ std::unique_ptr<ExpertStrips> quant_strips(const at::Tensor& x, const at::Tensor
   else if (int8_vnni && x.scalar_type() == at::kHalf) out = std::make_unique<Int8Strips<c10::Half>>(w, x, y);
   else if ((quantize_x && bits == 4) || int8_vnni) return nullptr;  // float32 x in integers
 #endif
-  const QuantWeightRef ref{w.data, w.scales, w.zeros, w.factors, w.n, w.k, w.group};
+  const QuantWeightRef& ref = w;
   if (!out && quantize_x && int_linear_avx2_supported(ref, bits)) return nullptr;
   if (!out) {
     if (bits == 4) out = std::make_unique<FusedStrips<4>>(w, x, y);
@@ -1575,7 +1570,7 @@ std::unique_ptr<ExpertStrips> dense_strips(const at::Tensor& x, const at::Tensor
   TORCH_CHECK(y.is_contiguous() && y.scalar_type() == x.scalar_type() && y.size(0) == x.size(0) && y.size(1) == n,
               "y must be a contiguous [M, N] matrix of x's dtype");
   if (x.size(0) == 0 || x.size(0) > max_fused_rows) return nullptr;
-  const QuantWeight w{static_cast<const uint8_t*>(weight.data_ptr()), nullptr, nullptr, nullptr, n, k, k};
+  const QuantWeight w{{static_cast<const uint8_t*>(weight.data_ptr()), nullptr, nullptr, nullptr, n, k, k}};
   auto out = std::make_unique<FusedStrips<16>>(w, x, y);
   set_units(*out, n, weight.nbytes());
   return out;
