@@ -352,24 +352,35 @@ void block_lanes(const QuantWeight& w, BlockLanes* lanes, int64_t blocks) {
 
 using simd::load16;
 
+// The 32 values of x at chunk c as int8 (lo: the first 16, hi: the rest) with one step, amax / 127.
+struct XChunk {
+  __m512i lo, hi;
+  float step;
+};
+template <typename T>
+inline XChunk quantize_chunk(const T* x, int64_t c) {
+  const __m512 a = load16(x + 32 * c), b = load16(x + 32 * c + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  // _mm512_cvtps_epi32 rounds to nearest even
+  return {_mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv))), _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv))),
+          amax / 127.f};
+}
+
 // One row of x -> int8 blocks (zero past K) and xsum[g] = sum over group g of dx * q (zeroed here).
 template <typename T>
 void quantize_x(const T* x, int64_t k, int64_t group, int64_t blocks, QBlock* out, float* xsum, int64_t gpad) {
   std::memset(static_cast<void*>(out), 0, blocks * sizeof(QBlock));
   std::fill(xsum, xsum + gpad, 0.f);
   for (int64_t c = 0; c < k / 32; ++c) {
-    const __m512 a = load16(x + 32 * c), b = load16(x + 32 * c + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    const float step = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));  // round to nearest even
-    const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+    const XChunk xc = quantize_chunk(x, c);
     QBlock& q = out[c / 4];
     const int j = static_cast<int>(c % 4);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q.lo + 16 * j), _mm512_cvtepi32_epi8(qa));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q.hi + 16 * j), _mm512_cvtepi32_epi8(qb));
-    for (int i = 0; i < 4; ++i) q.step[4 * j + i] = step;
-    xsum[32 * c / group] += step * _mm512_reduce_add_epi32(qa);
-    xsum[(32 * c + 16) / group] += step * _mm512_reduce_add_epi32(qb);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q.lo + 16 * j), _mm512_cvtepi32_epi8(xc.lo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q.hi + 16 * j), _mm512_cvtepi32_epi8(xc.hi));
+    for (int i = 0; i < 4; ++i) q.step[4 * j + i] = xc.step;
+    xsum[32 * c / group] += xc.step * _mm512_reduce_add_epi32(xc.lo);
+    xsum[(32 * c + 16) / group] += xc.step * _mm512_reduce_add_epi32(xc.hi);
   }
 }
 
@@ -743,17 +754,13 @@ template <typename T>
 void quantize_strip_x(const T* x, int64_t k, int64_t group, int8_t* q, float* step, int32_t* qsum, float* xsum) {
   std::fill(xsum, xsum + k / group, 0.f);
   for (int64_t c = 0; c < k / 32; ++c) {
-    const __m512 a = load16(x + 32 * c), b = load16(x + 32 * c + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));  // round to nearest even
-    const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * c), _mm512_cvtepi32_epi8(qa));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * c + 16), _mm512_cvtepi32_epi8(qb));
-    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-    step[c] = dx;
+    const XChunk xc = quantize_chunk(x, c);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * c), _mm512_cvtepi32_epi8(xc.lo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * c + 16), _mm512_cvtepi32_epi8(xc.hi));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(xc.lo, xc.hi));
+    step[c] = xc.step;
     qsum[c] = 128 * sum;
-    xsum[32 * c / group] += dx * static_cast<float>(sum);
+    xsum[32 * c / group] += xc.step * static_cast<float>(sum);
   }
 }
 
