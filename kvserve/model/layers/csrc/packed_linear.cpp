@@ -209,21 +209,26 @@ void vector_linear(const at::Tensor& x, const uint16_t* w, const Output& out) {
 // four strips at a time; all rows pass over those four (kVectorRows at a time) while they sit in L2,
 // and meanwhile the run's next four are prefetched, so W streams in under the arithmetic instead of
 // stalling the first pass over each group of W.
+// Strips [s0, s1) for m rows of x, four strips at a time, prefetching the next four (up to s1).
+void passes_over_strips(const uint16_t* w, const uint16_t* x, int64_t m, int64_t k, const Output& out, int64_t s0,
+                        int64_t s1) {
+  const int64_t strip_values = k / 32 * kTile;
+  for (int64_t s = s0; s < s1; s += 4) {
+    const int64_t e = std::min(s1, s + 4);
+    Prefetch pf{reinterpret_cast<const char*>(w + e * strip_values),
+                reinterpret_cast<const char*>(w + std::min(s1, e + 4) * strip_values), kPrefetchLinesPerStep};
+    for (int64_t r = 0; r < m; r += kVectorRows)
+      with_few_rows<kVectorRows>(m - r, [&](auto mb) {
+        vector_rows<decltype(mb)::value>(w, x + r * k, k, out, r, s, e, &pf);
+      });
+  }
+}
+
 void vector_linear_passes(const at::Tensor& x, const uint16_t* w, const Output& out) {
   const int64_t m = x.size(0), k = x.size(1), strips = (out.n + 15) / 16, pairs = (strips + 1) / 2;
-  const int64_t strip_values = k / 32 * kTile;
   const uint16_t* xp = static_cast<const uint16_t*>(x.data_ptr());
   parallel_for_dynamic(0, pairs, 1, [&](int64_t p0, int64_t p1) {
-    const int64_t run_end = std::min(strips, 2 * p1);
-    for (int64_t s0 = 2 * p0; s0 < run_end; s0 += 4) {
-      const int64_t s1 = std::min(run_end, s0 + 4);
-      Prefetch pf{reinterpret_cast<const char*>(w + s1 * strip_values),
-                  reinterpret_cast<const char*>(w + std::min(run_end, s1 + 4) * strip_values), kPrefetchLinesPerStep};
-      for (int64_t r = 0; r < m; r += kVectorRows)
-        with_few_rows<kVectorRows>(m - r, [&](auto mb) {
-          vector_rows<decltype(mb)::value>(w, xp + r * k, k, out, r, s0, s1, &pf);
-        });
-    }
+    passes_over_strips(w, xp, m, k, out, 2 * p0, std::min(strips, 2 * p1));
   });
 }
 
@@ -533,17 +538,7 @@ class PackedStrips final : public ExpertStrips {
       });
       return;
     }
-    // As vector_linear_passes: every row passes over four strips while the next four are prefetched.
-    const int64_t strip_values = k_ / 32 * kTile;
-    for (int64_t s = s0; s < s1; s += 4) {
-      const int64_t e = std::min(s1, s + 4);
-      Prefetch pf{reinterpret_cast<const char*>(w_ + e * strip_values),
-                  reinterpret_cast<const char*>(w_ + std::min(s1, e + 4) * strip_values), kPrefetchLinesPerStep};
-      for (int64_t r = 0; r < m_; r += kVectorRows)
-        with_few_rows<kVectorRows>(m_ - r, [&](auto mb) {
-          vector_rows<decltype(mb)::value>(w_, x_ + r * k_, k_, out_, r, s, e, &pf);
-        });
-    }
+    passes_over_strips(w_, x_, m_, k_, out_, s0, s1);  // as vector_linear_passes
   }
 
  private:
