@@ -2,14 +2,15 @@
 parameters, and the MoE model's two expert paths on the CPU, A/B in one process.
 
 MoE: Mixtral's layout, 8 experts of intermediate size I, top 2. Dense: Llama, same attention and
-vocabulary, one MLP of intermediate 2 I (the two experts a token runs). The MoE model runs its
-experts either in one C++ call per layer ("cpp", layers/csrc/moe.cpp) or one torch call per active
-expert ("torch", KVSERVE_MOE_CPU_KERNEL=0); both are timed on the same loaded model, switched per
-round. The dense model runs its fused C++ decode step ("dense"), which MoE models do not have, and
-also eagerly, one call per op as the MoE model runs ("dense_eager"). A step's time is the difference between generating ``--long`` and ``--short`` tokens for
-``--batch`` requests with the same prompts (the prefill cancels), over rounds that alternate the
-variants; the ratios of the medians are printed. Then each MoE block call of a few steps is checked
-to read every active expert's weights exactly once and no idle expert's (``SparseMoeBlock.bytes_read``).
+vocabulary, one MLP of intermediate 2 I (the two experts a token runs). Both models serve their
+decode steps in the fused C++ step ("dense", "moe_cpp": the MoE layers' router, top k and experts'
+C++ call inside it, models/llama_decode.py). For comparison both also run eagerly, one call per op
+("dense_eager", "moe_cpp_eager"), and the MoE model with one torch call per active expert
+("moe_torch", KVSERVE_MOE_CPU_KERNEL=0); all on the same loaded models, switched per round. A
+step's time is the difference between generating ``--long`` and ``--short`` tokens for ``--batch``
+requests with the same prompts (the prefill cancels), over rounds that alternate the variants; the
+ratios of the medians are printed. Then each MoE block call of a few eager steps is checked to read
+every active expert's weights exactly once and no idle expert's (``SparseMoeBlock.bytes_read``).
 
     python benchmarks/moe_decode.py --dtype bfloat16 --batch 32 --num-threads 2 [--quantization int4] [--json out.json]
 """
@@ -86,21 +87,25 @@ def run_ab(args: argparse.Namespace, tmp: Path) -> dict:
         print(f"{name}: {params / 1e6:.1f}M stored parameters, fused decoder: "
               f"{llm.engine.core.runner.fused_decoder is not None}")
     paths = [p for p in args.experts.split(",") if p]
-    # name: (model, C++ experts or not, the fused decode step or not). The MoE model has no fused
-    # step (its layers run eagerly, one call per op); "dense_eager" runs the dense model that way too.
-    dense_runner = llms["dense"].engine.core.runner
-    fused = dense_runner.fused_decoder
-    variants = {"dense": (llms["dense"], None, fused), "dense_eager": (llms["dense"], None, None),
-                **{f"moe_{p}": (llms["moe"], p == "cpp", None) for p in paths}}
+    # name: (model, C++ experts or not, the fused decode step or not). "moe_cpp" is the MoE model as
+    # it serves: its decode steps in the fused C++ step, experts in their C++ call (MoeSpec);
+    # "moe_cpp_eager" and "moe_torch" run its layers eagerly, one call per op, the experts in one C++
+    # call or one torch call each; "dense_eager" runs the dense model eagerly too.
+    fused = {name: llm.engine.core.runner.fused_decoder for name, llm in llms.items()}
+    variants = {"dense": ("dense", None, True), "dense_eager": ("dense", None, False)}
+    if "cpp" in paths:
+        variants.update(moe_cpp=("moe", True, True), moe_cpp_eager=("moe", True, False))
+    if "torch" in paths:
+        variants["moe_torch"] = ("moe", False, False)
     prompts = [[3 + (i * 7 + j) % 4000 for j in range(8)] for i in range(args.batch)]
 
     def run(variant: str, tokens: int) -> float:
-        llm, cpp, decoder = variants[variant]
+        name, cpp, use_fused = variants[variant]
+        llm = llms[name]
         if cpp is not None:
             for block in moe_blocks(llm):
                 block.use_cpu_kernel = cpp
-        else:
-            dense_runner.fused_decoder = decoder
+        llm.engine.core.runner.fused_decoder = fused[name] if use_fused else None
         start = time.perf_counter()
         outs = llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True),
                             use_tqdm=False)
@@ -117,13 +122,14 @@ def run_ab(args: argparse.Namespace, tmp: Path) -> dict:
         print(f"{variant}: decode step at batch {args.batch}: median {statistics.median(values) * 1e3:.2f} ms "
               f"(range {min(values) * 1e3:.2f}-{max(values) * 1e3:.2f})")
     pairs = [(v, base) for v in variants if v.startswith("moe") for base in ("dense", "dense_eager")]
-    if "moe_cpp" in steps and "moe_torch" in steps:
-        pairs.append(("moe_cpp", "moe_torch"))
+    if "moe_cpp_eager" in steps and "moe_torch" in steps:
+        pairs.append(("moe_cpp_eager", "moe_torch"))
     # and of the fastest rounds: the least disturbed ones, on a shared machine
     ratios = {f"{a}/{b}": statistics.median(steps[a]) / statistics.median(steps[b]) for a, b in pairs}
     fastest = {f"{a}/{b}": min(steps[a]) / min(steps[b]) for a, b in pairs}
     for name, ratio in ratios.items():
         print(f"{name} step time: {ratio:.2f}x of the medians, {fastest[name]:.2f}x of the fastest rounds")
+    llms["moe"].engine.core.runner.fused_decoder = None  # every block call through SparseMoeBlock, counted
     reads = {p: check_reads(llms["moe"], prompts, p == "cpp") for p in paths}
     return {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "step_ms": {v: [round(s * 1e3, 3) for s in values] for v, values in steps.items()},

@@ -11,7 +11,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.model.cpu_kernels import load_kernels
 from kvserve.scheduler.output import ScheduledRequest
-from tests.conftest import TINY_VOCAB
+from tests.conftest import TINY_VOCAB, make_tiny_model
 
 pytestmark = pytest.mark.skipif(load_kernels() is None, reason="C++ kernels unavailable")
 SP = SamplingParams(max_tokens=1, temperature=0)
@@ -56,6 +56,32 @@ def test_fused_decode_is_bitwise_the_eager_step(fixture, dtype, request):
     llm = LLM(model=str(request.getfixturevalue(fixture)), dtype=dtype, num_kv_blocks=128, block_size=8)
     _compare(llm, [5, 17, 30])
     _compare(llm, [40] * 9)  # rows beyond the few-row kernels
+
+
+MOE_FAMILIES = {  # softmax-routed experts: Mixtral (float32 renormalised weights), Qwen3-MoE (dense layers too)
+    "mixtral": ("MixtralForCausalLM", dict(num_local_experts=8, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=3,
+                                              moe_intermediate_size=32, decoder_sparse_step=2,
+                                              norm_topk_prob=False)),
+}
+
+
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+@pytest.mark.parametrize("dtype,quantization", [("float32", None), ("bfloat16", None), ("bfloat16", "int4")])
+def test_fused_decode_runs_moe_layers_bitwise(family, dtype, quantization, tmp_path):
+    # the router, its top k and the experts' C++ call inside the step (MoeSpec) against SparseMoeBlock
+    arch, overrides = MOE_FAMILIES[family]
+    path = make_tiny_model(tmp_path, arch, **overrides)
+    llm = LLM(model=str(path), dtype=dtype, quantization=quantization, num_kv_blocks=128, block_size=8)
+    _compare(llm, [5, 17, 30])
+    _compare(llm, [40] * 9)
+
+
+def test_fused_decode_leaves_moe_blocks_on_the_torch_path_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSERVE_MOE_CPU_KERNEL", "0")  # experts one torch call each: no C++ step for them
+    arch, overrides = MOE_FAMILIES["mixtral"]
+    llm = LLM(model=str(make_tiny_model(tmp_path, arch, **overrides)), num_kv_blocks=64, block_size=8)
+    assert llm.engine.core.runner.fused_decoder is None
 
 
 @pytest.mark.parametrize("quantization,kv_dtype", [("int8", "auto"), ("int4", "int8"), (None, "fp8")])

@@ -14,6 +14,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <type_traits>
 #include <tuple>
 #include <utility>
@@ -190,10 +191,22 @@ class MoeExperts {
   std::vector<LinearSpec> gate_up_, down_;
 };
 
+// A mixture-of-experts MLP as layers/moe.py's SparseMoeBlock runs it with softmax routing: the
+// router's logits, a float32 softmax, the top k (renormalized to sum to 1 if asked, rounded to the
+// logits' dtype unless kept in float32), then the experts' call. Same ATen ops, same results.
+struct MoeSpec {
+  LinearSpec router;
+  MoeExperts experts;
+  int64_t top_k;
+  bool renormalize, float32_weights;
+  at::Tensor forward(const at::Tensor& x) const;
+};
+
 struct LayerSpec {
-  LinearSpec qkv, o, gate_up, down;
+  LinearSpec qkv, o, gate_up, down;  // gate_up and down unused where `moe` is set
   at::Tensor input_norm, post_norm;
   c10::optional<at::Tensor> q_norm, k_norm;  // Qwen3's per-head norms
+  std::optional<MoeSpec> moe;                // the layer's MLP is a mixture of experts
 };
 
 // The decoder stack for steps in which every row is one new token attending to its sequence's cache up

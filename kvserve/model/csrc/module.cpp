@@ -58,18 +58,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("quantize_x") = false)
       .def("__call__", &LinearSpec::apply, no_gil)
       .def("silu_mul", &LinearSpec::apply_silu_mul, "SiLU(gate) * up of the layer's output", no_gil);
-  py::class_<LayerSpec>(m, "LayerSpec", py::module_local())
-      .def(py::init([](LinearSpec qkv, LinearSpec o, LinearSpec gate_up, LinearSpec down, at::Tensor input_norm,
-                       at::Tensor post_norm, c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm) {
-        TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
-        return LayerSpec{std::move(qkv), std::move(o), std::move(gate_up), std::move(down), std::move(input_norm),
-                         std::move(post_norm), std::move(q_norm), std::move(k_norm)};
-      }));
   py::class_<MoeExperts>(m, "MoeExperts", py::module_local())
       .def(py::init<std::vector<LinearSpec>, std::vector<LinearSpec>>(), py::arg("gate_up"), py::arg("down"))
       .def("__call__", &MoeExperts::forward,
            "sum over each token's experts of weight * down(SiLU(gate) * up) of its row of x (CPU)",
            py::arg("x"), py::arg("weights"), py::arg("ids"), py::arg("bytes_read") = py::none(), no_gil);
+  py::class_<MoeSpec>(m, "MoeSpec", py::module_local())
+      .def(py::init([](LinearSpec router, const MoeExperts& experts, int64_t top_k, bool renormalize,
+                       bool float32_weights) {
+             TORCH_CHECK(top_k >= 1, "top_k must be at least 1");
+             return MoeSpec{std::move(router), experts, top_k, renormalize, float32_weights};
+           }),
+           py::arg("router"), py::arg("experts"), py::arg("top_k"), py::arg("renormalize"), py::arg("float32_weights"))
+      .def("__call__", &MoeSpec::forward, "the MoE MLP's output for x [tokens, hidden] (CPU)", no_gil);
+  py::class_<LayerSpec>(m, "LayerSpec", py::module_local())
+      .def(py::init([](LinearSpec qkv, LinearSpec o, std::optional<LinearSpec> gate_up, std::optional<LinearSpec> down,
+                       at::Tensor input_norm, at::Tensor post_norm, c10::optional<at::Tensor> q_norm,
+                       c10::optional<at::Tensor> k_norm, std::optional<MoeSpec> moe) {
+             TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
+             TORCH_CHECK(moe.has_value() != (gate_up.has_value() && down.has_value()),
+                         "a layer's MLP is either gate_up and down, or moe");
+             return LayerSpec{std::move(qkv), std::move(o), gate_up.value_or(LinearSpec{}),
+                              down.value_or(LinearSpec{}), std::move(input_norm), std::move(post_norm),
+                              std::move(q_norm), std::move(k_norm), std::move(moe)};
+           }),
+           py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("input_norm"),
+           py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("moe") = py::none());
   py::class_<LlamaDecoder>(m, "LlamaDecoder", py::module_local())
       .def(py::init<std::vector<LayerSpec>, at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>, int64_t,
                     int64_t, int64_t, double, double, int64_t, std::vector<int64_t>>())

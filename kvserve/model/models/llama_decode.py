@@ -6,7 +6,9 @@ asleep between kernels. The fused decoder runs the same kernels in the same orde
 hidden states are bitwise those of the eager model. It needs the C++ kernels, the torch backend's
 paged cache layout (the backend says which kind, see ``TorchAttentionBackend.fused_cache_kind``),
 and a kernel spec from every Linear's quantization method; otherwise there is none and the eager
-model runs every step. KVSERVE_FUSED_DECODE=0 turns it off (for comparisons).
+model runs every step. KVSERVE_FUSED_DECODE=0 turns it off (for comparisons). Mixture-of-experts
+layers with plain softmax routing (Mixtral, Qwen3-MoE) run in it too: router, top k and the
+experts' C++ call (``MoeSpec``), the same ATen ops and kernel as ``SparseMoeBlock``.
 
 Speculative verification (``verify``) runs through it too: a sequence's k + 1 query tokens become
 k + 1 decode rows, each attending to the cache up to its own position. The step writes all their
@@ -23,6 +25,8 @@ import torch
 
 from kvserve.model.attention.backend import AttentionMetadata
 from kvserve.model.cpu_kernels import load_kernels
+from kvserve.model.layers.moe import SparseMoeBlock
+from kvserve.model.layers.moe_kernel import experts_kernel
 from kvserve.model.models.llama import LlamaForCausalLM
 
 
@@ -61,7 +65,10 @@ def build_fused_decoder(model: torch.nn.Module, kv_caches: list[torch.Tensor],
     layers = []
     for layer in backbone.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        moe = _moe_spec(mlp, kernels) if isinstance(mlp, SparseMoeBlock) else None
+        if isinstance(mlp, SparseMoeBlock) and moe is None:
+            return None
+        linears = [attn.qkv_proj, attn.o_proj] + ([] if moe is not None else [mlp.gate_up_proj, mlp.down_proj])
         specs = [lin.method.kernel_spec(lin, kernels) for lin in linears]
         if any(s is None for s in specs):
             return None
@@ -69,10 +76,26 @@ def build_fused_decoder(model: torch.nn.Module, kv_caches: list[torch.Tensor],
         if any(n is not None and n.eps != cfg.rms_norm_eps for n in norms):
             return None
         q_norm, k_norm = (None, None) if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
-        layers.append(kernels.LayerSpec(*specs, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                                        q_norm, k_norm))
+        gate_up, down = (None, None) if moe is not None else specs[2:]
+        layers.append(kernels.LayerSpec(specs[0], specs[1], gate_up, down, layer.input_layernorm.weight,
+                                        layer.post_attention_layernorm.weight, q_norm, k_norm, moe))
     first = backbone.layers[0].self_attn
     native = kernels.LlamaDecoder(layers, backbone.norm.weight, model.rotary.cos, model.rotary.sin, kv_caches,
                                   first.num_heads, first.num_kv_heads, first.head_dim, cfg.rms_norm_eps, first.scale,
                                   cache_kind, [layer.self_attn.window or 0 for layer in backbone.layers])
     return FusedDecoder(model, native)
+
+
+def _moe_spec(block: SparseMoeBlock, kernels):
+    """``kernels.MoeSpec`` for a MoE block whose routing is the plain float32 softmax and top k (Mixtral,
+    Qwen3-MoE) and whose experts run in the C++ call; None for the others (expert groups, a scaling
+    factor, a float32 router, shared experts, experts on the torch path)."""
+    moe = block.moe
+    if (moe.scoring != "softmax" or moe.num_groups != 1 or moe.routed_scaling_factor != 1.0 or moe.float32_router
+            or block.shared_expert is not None or not block.use_cpu_kernel):
+        return None
+    router = block.gate.method.kernel_spec(block.gate, kernels)
+    experts = experts_kernel(block.experts)
+    if router is None or experts is None:
+        return None
+    return kernels.MoeSpec(router, experts, moe.experts_per_token, moe.renormalize, moe.float32_weights)

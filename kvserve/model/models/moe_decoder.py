@@ -21,7 +21,9 @@ class MoeDecoderLayer(DecoderLayer):
 
 class MoeForCausalLM(LlamaForCausalLM):
     layer_class = MoeDecoderLayer
-    fused_decode = False  # the C++ decode step knows dense MLPs only
+    # The C++ decode step knows Llama's attention and softmax-routed experts; a family opts in once
+    # its layers are those (DeepSeek's latent attention and OLMoE's whole-projection q/k norms are not).
+    fused_decode = False
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         if cfg.moe is None:

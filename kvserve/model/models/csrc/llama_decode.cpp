@@ -25,6 +25,14 @@ at::Tensor LinearSpec::apply_silu_mul(const at::Tensor& x) const {
   return silu_mul(apply(x));
 }
 
+at::Tensor MoeSpec::forward(const at::Tensor& x) const {
+  const at::Tensor logits = router.apply(x);
+  auto [weights, ids] = at::topk(at::softmax(logits, -1, at::kFloat), top_k, -1);
+  if (renormalize) weights = weights / weights.sum(-1, /*keepdim=*/true);
+  if (!float32_weights) weights = weights.to(logits.scalar_type());
+  return experts.forward(x, weights, ids.contiguous(), c10::nullopt);
+}
+
 LlamaDecoder::LlamaDecoder(std::vector<LayerSpec> layers, at::Tensor final_norm, at::Tensor cos, at::Tensor sin,
                            std::vector<at::Tensor> kv_caches, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, double eps, double scale, int64_t kv_kind, std::vector<int64_t> windows)
@@ -76,7 +84,7 @@ at::Tensor LlamaDecoder::forward(const at::Tensor& x, const at::Tensor& position
     const at::Tensor attn = paged_decode_attention(q.contiguous(), halves_[i].first, halves_[i].second, block_tables,
                                                    seq_lens, scale_, kv_kind_, windows_[i], split_batch);
     normed = rms_norm(layer.o.apply(attn.view({tokens, q_width})), residual, layer.post_norm, eps_);
-    h = layer.down.apply(layer.gate_up.apply_silu_mul(normed));
+    h = layer.moe ? layer.moe->forward(normed) : layer.down.apply(layer.gate_up.apply_silu_mul(normed));
   }
   return rms_norm(h, residual, final_norm_, eps_);
 }
