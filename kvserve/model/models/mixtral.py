@@ -25,5 +25,6 @@ def _hf_to_ours(name: str) -> str:
 
 class MixtralForCausalLM(MoeForCausalLM):
     fused_decode = True
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights((_hf_to_ours(name), tensor) for name, tensor in weights)

@@ -205,10 +205,6 @@ void vector_linear(const at::Tensor& x, const uint16_t* w, const Output& out) {
   });
 }
 
-// 5 to kPassRows rows without AMX: each thread takes a run of consecutive strips and goes through it
-// four strips at a time; all rows pass over those four (kVectorRows at a time) while they sit in L2,
-// and meanwhile the run's next four are prefetched, so W streams in under the arithmetic instead of
-// stalling the first pass over each group of W.
 // Strips [s0, s1) for m rows of x, four strips at a time, prefetching the next four (up to s1).
 void passes_over_strips(const uint16_t* w, const uint16_t* x, int64_t m, int64_t k, const Output& out, int64_t s0,
                         int64_t s1) {
@@ -224,6 +220,10 @@ void passes_over_strips(const uint16_t* w, const uint16_t* x, int64_t m, int64_t
   }
 }
 
+// 5 to kPassRows rows without AMX: each thread takes a run of consecutive strips and goes through it
+// four strips at a time; all rows pass over those four (kVectorRows at a time) while they sit in L2,
+// and meanwhile the run's next four are prefetched, so W streams in under the arithmetic instead of
+// stalling the first pass over each group of W.
 void vector_linear_passes(const at::Tensor& x, const uint16_t* w, const Output& out) {
   const int64_t m = x.size(0), k = x.size(1), strips = (out.n + 15) / 16, pairs = (strips + 1) / 2;
   const uint16_t* xp = static_cast<const uint16_t*>(x.data_ptr());
