@@ -113,11 +113,9 @@ class EngineCore:
         if device.type == "cpu":
             keep_freed_memory()  # large per-step tensors reuse heap memory: see runtime/allocator.py
         tp = config.tensor_parallel_size
-        model, self.model_config = load_model(self.model_path, config.torch_dtype, device,
-                                              config.quant.quantization, config.quant.group_size,
+        model, self.model_config = load_model(self.model_path, config.torch_dtype, device, config.quant,
                                               config.scheduler.max_model_len,
-                                              shard=TensorShard(0, tp) if tp > 1 else None,
-                                              int8_activations=activations == "int8")
+                                              shard=TensorShard(0, tp) if tp > 1 else None)
         self.kv_layout = self._kv_layout(model, config)
         self.kv_info = size_kv_cache(config, self.model_config, self.kv_layout)
         self.memory = MemoryReport.of(model, self.kv_info, config)

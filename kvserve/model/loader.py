@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kvserve.config import ModelConfig
+from kvserve.config import ModelConfig, QuantConfig
 from kvserve.model import gguf_file
 from kvserve.model.default_model import verified_default_model_path
 from kvserve.model.quant.plan import assign_quant_methods
@@ -104,18 +104,18 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantization: str | None = None,
-               group_size: int | None = None, max_model_len: int | None = None,
-               shard: TensorShard | None = None, int8_activations: bool = True) -> tuple[torch.nn.Module, ModelConfig]:
+def load_model(path: Path, dtype: torch.dtype, device: torch.device, quant: QuantConfig | None = None,
+               max_model_len: int | None = None, shard: TensorShard | None = None) -> tuple[torch.nn.Module, ModelConfig]:
     """Build the registered model class for the checkpoint and fill every parameter.
 
-    ``quantization`` / ``group_size``: see kvserve.model.quant.plan (None keeps a GGUF file's own
-    block quantization and a float checkpoint dense in ``dtype``). ``max_model_len`` caps the
-    config's ``max_position``: the RoPE tables need no more, and LongRoPE picks its factors by it.
-    ``shard``: build and fill only this tensor-parallel rank's part (model/sharding.py); the model's
-    own config is then that part's, while the config returned is the whole model's.
-    ``int8_activations``: quantized linears may take x as int8 (QuantConfig.activation_quantization).
+    ``quant``: the weights' quantization and how its linears take x (kvserve.model.quant.plan; the
+    default keeps a GGUF file's own block quantization and a float checkpoint dense in ``dtype``).
+    ``max_model_len`` caps the config's ``max_position``: the RoPE tables need no more, and LongRoPE
+    picks its factors by it. ``shard``: build and fill only this tensor-parallel rank's part
+    (model/sharding.py); the model's own config is then that part's, while the config returned is
+    the whole model's.
     """
+    quant = quant or QuantConfig()
     hf = load_hf_config(path)
     config = load_model_config(path)
     if max_model_len is not None and max_model_len < config.max_position:
@@ -125,9 +125,8 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
     gguf = is_gguf(path)
     with torch.device(device):
         model = cls(local, dtype)
-        assign_quant_methods(model, quantization, group_size, gguf_file.tensor_types(path) if gguf else None,
-                             int8_activations)
-    weights = gguf_file.iter_weights(path, hf, keep_blocks=quantization != "none") if gguf else iter_safetensors(path)
+        assign_quant_methods(model, quant, gguf_file.tensor_types(path) if gguf else None)
+    weights = gguf_file.iter_weights(path, hf, keep_blocks=quant.quantization != "none") if gguf else iter_safetensors(path)
     if shard is not None:
         weights = shard.shard_weights(config, weights)
     model.load_weights(weights)

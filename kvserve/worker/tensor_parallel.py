@@ -229,9 +229,8 @@ class _ShardWorker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         shard = TensorShard(rank, config.tensor_parallel_size)
-        self.model, _ = load_model(model_path, config.torch_dtype, self.device, config.quant.quantization,
-                                   config.quant.group_size, config.scheduler.max_model_len, shard=shard,
-                                   int8_activations=config.quant.activation_quantization == "int8")
+        self.model, _ = load_model(model_path, config.torch_dtype, self.device, config.quant,
+                                   config.scheduler.max_model_len, shard=shard)
         cfg: ModelConfig = self.model.config
         self.backend = get_backend(self.device, config.cache.kv_cache_dtype, config.attention_backend)
         self.kv_caches = allocate_kv_caches(self.backend, cfg, num_blocks, block_size, config.torch_dtype, self.device)

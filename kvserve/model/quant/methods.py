@@ -77,6 +77,11 @@ def _max_mid_rows() -> int:
     return _MAX_PANEL_ROWS_AVX2 if kernels is not None and kernels.vector_bits() == 256 else _MAX_AMX_ROWS
 
 
+def _few_rows(qweight: torch.Tensor, dtype: torch.dtype, int8_activations: bool) -> int:
+    """The few-row kernels' row limit for this stored W: the strips' own, else _max_fused_rows."""
+    return _MAX_STRIP_ROWS if qweight.dim() == 3 else _max_fused_rows(dtype, int8_activations)
+
+
 @functools.cache
 def _max_fused_rows(dtype: torch.dtype, int8_activations: bool) -> int:
     """Rows of x up to which the few-row kernels run (the fused dequantize+dot loop, or the integer
@@ -327,8 +332,8 @@ class GroupQuant(QuantMethod):
                 args = layer._kernel_args = (layer.qweight, layer.scales, layer.zeros, layer.factors,
                                              self.layer_group(layer), self.bits)
             int8_x = self._int8_x(args[4])
-            fused_rows = _MAX_STRIP_ROWS if args[0].dim() == 3 else _max_fused_rows(x.dtype, int8_x)
-            y = kernels.quant_linear(flat.contiguous(), *args, fused_rows, _max_mid_rows(), _TILE_BYTES, int8_x)
+            y = kernels.quant_linear(flat.contiguous(), *args, _few_rows(args[0], x.dtype, int8_x), _max_mid_rows(),
+                                     _TILE_BYTES, int8_x)
         return y.reshape(*x.shape[:-1], layer.out_features)
 
     def _int8_x(self, group: int) -> bool:
@@ -339,9 +344,9 @@ class GroupQuant(QuantMethod):
     def kernel_spec(self, layer, kernels):
         group = self.layer_group(layer)
         int8_x = self._int8_x(group)
-        fused_rows = _MAX_STRIP_ROWS if layer.qweight.dim() == 3 else _max_fused_rows(layer.dtype, int8_x)
         return kernels.LinearSpec(1, layer.qweight, layer.scales, layer.zeros, layer.factors, layer.bias, group,
-                                  self.bits, fused_rows, _max_mid_rows(), _TILE_BYTES, quantize_x=int8_x)
+                                  self.bits, _few_rows(layer.qweight, layer.dtype, int8_x), _max_mid_rows(),
+                                  _TILE_BYTES, quantize_x=int8_x)
 
     def dense(self, layer, dtype: torch.dtype) -> torch.Tensor:
         q, scales, zeros, factors = self._rows(layer)

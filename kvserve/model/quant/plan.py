@@ -37,14 +37,16 @@ INT4_EMBEDDING_GROUP = 16
 PER_CHANNEL = -1  # group_size meaning one scale per output channel
 
 
-def assign_quant_methods(model: torch.nn.Module, quantization: str | None, group_size: int | None,
-                         gguf_types: dict[str, str] | None = None, int8_activations: bool = True) -> None:
+def assign_quant_methods(model: torch.nn.Module, quant: QuantConfig,
+                         gguf_types: dict[str, str] | None = None) -> None:
     """Give every Linear of ``model`` its method (call before loading weights).
 
-    ``gguf_types`` maps HF tensor names to GGML type names when the checkpoint is a GGUF file.
-    ``int8_activations``: the quantized methods may quantize few rows of x to int8 (GroupQuant).
+    ``gguf_types`` maps HF tensor names to GGML type names when the checkpoint is a GGUF file. The
+    quantized methods may quantize few rows of x to int8 (GroupQuant) unless
+    ``quant.activation_quantization`` is "none" (EngineCore resolves "auto"; unresolved it means int8).
     """
-    QuantConfig(quantization, group_size)  # validates
+    quantization, group_size = quant.quantization, quant.group_size
+    int8_activations = quant.activation_quantization != "none"
     for name, layer in model.named_modules():
         if isinstance(layer, Linear) and layer.quantizable:
             method = _method_for(name, layer, quantization, group_size, gguf_types, int8_activations)
