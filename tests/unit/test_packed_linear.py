@@ -23,7 +23,7 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n,k", [(72, 192), (960, 576), (40, 1536)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17, 33, 64, 128, 129, 300, 600])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 16, 17, 33, 64, 128, 129, 300, 600])
 def test_packed_linear_matches_torch(n, k, rows):
     kernels = _kernels()
     torch.manual_seed(rows)

@@ -81,10 +81,9 @@ constexpr int64_t kVectorGroupBytes = int64_t{1} << 18;
 constexpr int kVectorRows = 6;
 constexpr int64_t kVectorBlockRows = 8 * kVectorRows;
 // Up to kPassRows rows without AMX (decode batches) every row passes over four strips of W before the
-// next four, which are prefetched meanwhile (vector_linear_passes), kPrefetchLinesPerStep cache lines
-// per input pair, so W streams in under the arithmetic; past kPassRows the blocks above are as fast.
+// next four, which are prefetched meanwhile (vector_linear_passes), so W streams in under the
+// arithmetic; past kPassRows the blocks above are as fast.
 constexpr int64_t kPassRows = 128;
-constexpr int kPrefetchLinesPerStep = 2;
 // Many rows of x (prefill, large decode batches): W is cut into groups of strip pairs holding
 // ~kGroupBytes, and a work item is one group against one block of 32 rows of x: the block's A tiles
 // stay in L1 while the group's strips stream from L2, and the group stays in L2 for the next block.
@@ -93,6 +92,15 @@ constexpr int kPrefetchLinesPerStep = 2;
 // 1 MB was the best group of 128 KB-1.5 MB (1,024 rows, one thread, K = 576 and 1,536).
 constexpr int64_t kGroupBytes = int64_t{1} << 20;
 constexpr int64_t kFewRowBlocks = 4;
+
+// Whether m rows of x take one pass over W's strips side by side (vector_linear): up to four rows,
+// and with AMX up to eight.
+bool vector_rows_serve(int64_t m) {
+#if defined(KVSERVE_AMX)
+  if (simd::amx_ready()) return m <= kMaxVectorRowsBeforeAmx;
+#endif
+  return m <= kMaxVectorRows;
+}
 
 // Tile (s, c) of W from 16 rows x 32 inputs: 16 x 16 transpose of input pairs (32-bit elements).
 void pack_tile(const uint16_t* w, int64_t k, int64_t rows, uint16_t* out) {
@@ -133,9 +141,11 @@ struct Output {
 struct Prefetch {
   const char* next = nullptr;
   const char* end = nullptr;
-  int per_step = 0;
+  int per_step = 0;  // lines per step, in 16ths
+  int credit = 0;
   void step() {
-    for (int i = 0; i < per_step && next < end; ++i, next += 64) _mm_prefetch(next, _MM_HINT_T2);
+    credit += per_step;
+    for (; credit >= 16 && next < end; credit -= 16, next += 64) _mm_prefetch(next, _MM_HINT_T2);
   }
 };
 
@@ -209,14 +219,23 @@ void vector_linear(const at::Tensor& x, const uint16_t* w, const Output& out) {
 void passes_over_strips(const uint16_t* w, const uint16_t* x, int64_t m, int64_t k, const Output& out, int64_t s0,
                         int64_t s1) {
   const int64_t strip_values = k / 32 * kTile;
+  const int64_t passes = (m + kVectorRows - 1) / kVectorRows;
+  // The next four strips' lines spread evenly over all passes' input pairs: fetched sooner, they
+  // were slower (their fills compete with the lines the passes wait for)
+  const int64_t lines = 4 * strip_values * 2 / 64, steps = passes * k / 2;
+  const int per_step = static_cast<int>((16 * lines + steps - 1) / steps);
   for (int64_t s = s0; s < s1; s += 4) {
     const int64_t e = std::min(s1, s + 4);
     Prefetch pf{reinterpret_cast<const char*>(w + e * strip_values),
-                reinterpret_cast<const char*>(w + std::min(s1, e + 4) * strip_values), kPrefetchLinesPerStep};
-    for (int64_t r = 0; r < m; r += kVectorRows)
-      with_few_rows<kVectorRows>(m - r, [&](auto mb) {
+                reinterpret_cast<const char*>(w + std::min(s1, e + 4) * strip_values), per_step};
+    for (int64_t i = 0, r = 0; i < passes; ++i) {
+      // passes of even size: a pass of one or two rows waits on its few accumulators' latency
+      const int64_t rows = (m - r) / (passes - i);
+      with_few_rows<kVectorRows>(rows, [&](auto mb) {
         vector_rows<decltype(mb)::value>(w, x + r * k, k, out, r, s, e, &pf);
       });
+      r += rows;
+    }
   }
 }
 
@@ -532,7 +551,7 @@ class PackedStrips final : public ExpertStrips {
         strips_((out.n + 15) / 16) {}
   void run(int64_t p0, int64_t p1) const override {
     const int64_t s0 = 2 * p0, s1 = std::min(2 * p1, strips_);
-    if (m_ <= kMaxVectorRowsBeforeAmx) {  // W streams once, all rows against each strip (vector_linear)
+    if (vector_rows_serve(m_)) {  // W streams once, all rows against each strip (vector_linear)
       with_few_rows<kMaxVectorRowsBeforeAmx>(m_, [&](auto mb) {
         vector_rows<decltype(mb)::value>(w_, x_, k_, out_, 0, s0, s1);
       });
@@ -650,9 +669,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const uint16_t* w = static_cast<const uint16_t*>(packed.data_ptr());
   const Output out{y.data_ptr<c10::BFloat16>(), n, gated, silu_mul};
   if (x.size(0) == 0) return y;
-  if (x.size(0) <= kMaxVectorRows) vector_linear(x, w, out);
+  if (vector_rows_serve(x.size(0))) vector_linear(x, w, out);
 #if defined(KVSERVE_AMX)
-  else if (simd::amx_ready() && x.size(0) <= kMaxVectorRowsBeforeAmx) vector_linear(x, w, out);
   else if (simd::amx_ready()) amx_linear(x, w, out);
 #endif
   else if (x.size(0) <= kPassRows) vector_linear_passes(x, w, out);
