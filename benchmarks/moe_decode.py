@@ -115,9 +115,12 @@ def run_ab(args: argparse.Namespace, tmp: Path) -> dict:
     for variant in variants:
         run(variant, args.short)  # warm up
     steps = {variant: [] for variant in variants}
+    machine = {"dense_mlp": [], "expert_read": []}
     for _ in range(args.rounds):
         for variant in variants:
             steps[variant].append((run(variant, args.long) - run(variant, args.short)) / (args.long - args.short))
+        for name, seconds in time_parts(llms, args.batch).items():
+            machine[name].append(seconds)
     for variant, values in steps.items():
         print(f"{variant}: decode step at batch {args.batch}: median {statistics.median(values) * 1e3:.2f} ms "
               f"(range {min(values) * 1e3:.2f}-{max(values) * 1e3:.2f})")
@@ -129,13 +132,71 @@ def run_ab(args: argparse.Namespace, tmp: Path) -> dict:
     fastest = {f"{a}/{b}": min(steps[a]) / min(steps[b]) for a, b in pairs}
     for name, ratio in ratios.items():
         print(f"{name} step time: {ratio:.2f}x of the medians, {fastest[name]:.2f}x of the fastest rounds")
+    bound = memory_bound(llms, steps, machine)
     llms["moe"].engine.core.runner.fused_decoder = None  # every block call through SparseMoeBlock, counted
     reads = {p: check_reads(llms["moe"], prompts, p == "cpp") for p in paths}
-    return {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    return {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "bound": bound,
             "step_ms": {v: [round(s * 1e3, 3) for s in values] for v, values in steps.items()},
             "median_ms": {v: round(statistics.median(values) * 1e3, 3) for v, values in steps.items()},
             "ratios": {k: round(v, 3) for k, v in ratios.items()},
             "ratios_fastest": {k: round(v, 3) for k, v in fastest.items()}, "weight_reads": reads}
+
+
+def expert_bytes(llm) -> int:
+    from kvserve.model.layers.moe_kernel import weight_bytes
+
+    return sum(weight_bytes(e.gate_up_proj) + weight_bytes(e.down_proj) for b in moe_blocks(llm) for e in b.experts)
+
+
+def time_parts(llms: dict, batch: int) -> dict:
+    """Seconds for the dense model's MLP layers on ``batch`` rows (what its step spends there), and for
+    one row through every expert of the MoE model: W streamed once by the kernels' fastest reader (one
+    row of x, all strips side by side), the fastest this machine reads the experts right now."""
+    import torch
+
+    dense_mlps = [layer.mlp for layer in llms["dense"].engine.core.runner.model.model.layers]
+    experts = [e for b in moe_blocks(llms["moe"]) for e in b.experts]
+    up, down = experts[0].gate_up_proj, experts[0].down_proj
+    x = torch.randn(batch, up.in_features, dtype=up.dtype)
+    one, inner = x[:1].contiguous(), torch.randn(1, down.in_features, dtype=down.dtype)
+
+    def timed(fn) -> float:  # the fastest of three (after a first pass that may fault pages in)
+        fn()
+        seconds = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            seconds.append(time.perf_counter() - start)
+        return min(seconds)
+
+    with torch.inference_mode():
+        return {"dense_mlp": timed(lambda: [mlp(x) for mlp in dense_mlps]),
+                "expert_read": timed(lambda: [(e.gate_up_proj(one), e.down_proj(inner)) for e in experts])}
+
+
+def memory_bound(llms: dict, steps: dict, machine: dict) -> dict:
+    """The least a MoE step can cost against the dense one on this machine: the dense step's work
+    outside its MLPs (attention, norms, head, host: the same in both models) plus every expert's W
+    read once at the fastest rate the kernels read it. At batch 32 all experts are active, so this
+    is the bound the MoE/dense ratio cannot go under, whatever the experts' kernel."""
+    dense = statistics.median(steps["dense"])
+    rest = dense - statistics.median(machine["dense_mlp"])
+    nbytes = expert_bytes(llms["moe"])
+    read_rate = nbytes / statistics.median(machine["expert_read"])
+    least = rest + nbytes / read_rate
+    out = {"expert_bytes": nbytes, "read_gb_s": round(read_rate / 1e9, 2),
+           "dense_mlp_ms": round(statistics.median(machine["dense_mlp"]) * 1e3, 3),
+           "dense_rest_ms": round(rest * 1e3, 3), "least_moe_step_ms": round(least * 1e3, 3),
+           "least_ratio": round(least / dense, 3)}
+    print(f"bound: the experts hold {nbytes / 1e6:.0f} MB, read by one row at {read_rate / 1e9:.1f} GB/s; the dense "
+          f"step spends {out['dense_mlp_ms']:.2f} ms in its MLPs and {out['dense_rest_ms']:.2f} ms elsewhere, so a "
+          f"MoE step takes at least {least * 1e3:.2f} ms: {out['least_ratio']:.2f}x the dense step")
+    if "moe_cpp" in steps:
+        moe_experts = statistics.median(steps["moe_cpp"]) - rest
+        out["moe_expert_gb_s"] = round(nbytes / moe_experts / 1e9, 2)
+        print(f"bound: the MoE step reads its experts at {out['moe_expert_gb_s']:.1f} GB/s "
+              f"({100 * out['moe_expert_gb_s'] / out['read_gb_s']:.0f}% of the one-row read)")
+    return out
 
 
 def check_reads(llm, prompts: list[list[int]], cpp: bool) -> dict:
