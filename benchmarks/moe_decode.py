@@ -9,8 +9,9 @@ C++ call inside it, models/llama_decode.py). For comparison both also run eagerl
 ("moe_torch", KVSERVE_MOE_CPU_KERNEL=0); all on the same loaded models, switched per round. A
 step's time is the difference between generating ``--long`` and ``--short`` tokens for ``--batch``
 requests with the same prompts (the prefill cancels), over rounds that alternate the variants; the
-ratios of the medians are printed. Then each MoE block call of a few eager steps is checked to read
-every active expert's weights exactly once and no idle expert's (``SparseMoeBlock.bytes_read``).
+ratios of the medians are printed, with the least the MoE step could cost on this machine as it is
+(``memory_bound``). Then each MoE block call of a few eager steps is checked to read every active
+expert's weights exactly once and no idle expert's (``SparseMoeBlock.bytes_read``).
 
     python benchmarks/moe_decode.py --dtype bfloat16 --batch 32 --num-threads 2 [--quantization int4] [--json out.json]
 """
@@ -177,8 +178,8 @@ def time_parts(llms: dict, batch: int) -> dict:
 def memory_bound(llms: dict, steps: dict, machine: dict) -> dict:
     """The least a MoE step can cost against the dense one on this machine: the dense step's work
     outside its MLPs (attention, norms, head, host: the same in both models) plus every expert's W
-    read once at the fastest rate the kernels read it. At batch 32 all experts are active, so this
-    is the bound the MoE/dense ratio cannot go under, whatever the experts' kernel."""
+    read once at the rate one row reads them, the kernels' fastest. At batch 32 all experts are
+    active, so the MoE/dense ratio stays above this unless the experts are read faster than that."""
     dense = statistics.median(steps["dense"])
     rest = dense - statistics.median(machine["dense_mlp"])
     nbytes = expert_bytes(llms["moe"])
