@@ -56,8 +56,8 @@ std::unique_ptr<ExpertStrips> strips_for(const LinearSpec& s, const at::Tensor& 
 
 // Every expert's units in one parallel region: each expert cut into items of about 1 / (4 threads)
 // of all the experts' W, handed out one at a time, the longest first (W's bytes, and more for more
-// rows) so that the threads finish together: in expert order one thread waited ~30 us of a ~500 us
-// region for the other, ~13 us this way. bytes_read: expert e's count at [2 e].
+// rows): in expert order a thread often took a short item last while the other still read a long
+// one, and waited for it. bytes_read: expert e's count at [2 e].
 void run_grouped(const Grouped& work, const std::vector<int64_t>& rows, int64_t* bytes_read) {
   if (work.empty()) return;
   int64_t total = 0;

@@ -137,8 +137,8 @@ struct Output {
 };
 
 // Cache lines of W to bring in while a kernel computes: per_step lines per input pair until the range
-// is done. Hint T2 where measured before Zen 5 (T0, into L1, evicted the lines in use); on Zen 5 T0
-// read W 6-10% faster than T2 (5-16 rows, and MoE experts), NTA the same as T0.
+// is done. Hint T2 (on CPUs before Zen 5, T0 evicted the lines in use from L1); on Zen 5 T0 reads W
+// faster than T2.
 #if defined(KVSERVE_AMD_ZEN5)
 constexpr _mm_hint kPassPrefetchHint = _MM_HINT_T0;
 #else
