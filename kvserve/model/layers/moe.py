@@ -177,10 +177,15 @@ class SparseMoeBlock(torch.nn.Module):
                     self.bytes_read[e, 1] += weight_bytes(expert.down_proj)
         return y
 
-    def _kernel_for(self, x: torch.Tensor):
-        """The experts' C++ call for x, or None (the torch path)."""
-        if not self.use_cpu_kernel or x.device.type != "cpu":
+    def cpu_kernel(self):
+        """The experts' C++ call for CPU tensors (made once), or None where it is switched off or
+        cannot run these experts (the torch path)."""
+        if not self.use_cpu_kernel:
             return None
         if not self._cpu_kernel_made:
             self._cpu_kernel, self._cpu_kernel_made = experts_kernel(self.experts), True
         return self._cpu_kernel
+
+    def _kernel_for(self, x: torch.Tensor):
+        """The experts' C++ call for x, or None (the torch path)."""
+        return self.cpu_kernel() if x.device.type == "cpu" else None

@@ -26,7 +26,6 @@ import torch
 from kvserve.model.attention.backend import AttentionMetadata
 from kvserve.model.cpu_kernels import load_kernels
 from kvserve.model.layers.moe import SparseMoeBlock
-from kvserve.model.layers.moe_kernel import experts_kernel
 from kvserve.model.models.llama import LlamaForCausalLM
 
 
@@ -92,10 +91,10 @@ def _moe_spec(block: SparseMoeBlock, kernels):
     factor, a float32 router, shared experts, experts on the torch path)."""
     moe = block.moe
     if (moe.scoring != "softmax" or moe.num_groups != 1 or moe.routed_scaling_factor != 1.0 or moe.float32_router
-            or block.shared_expert is not None or not block.use_cpu_kernel):
+            or block.shared_expert is not None):
         return None
     router = block.gate.method.kernel_spec(block.gate, kernels)
-    experts = experts_kernel(block.experts)
+    experts = block.cpu_kernel()
     if router is None or experts is None:
         return None
     return kernels.MoeSpec(router, experts, moe.experts_per_token, moe.renormalize, moe.float32_weights)

@@ -14,6 +14,7 @@ from kvserve.model.models.moe_decoder import MoeForCausalLM
 
 class Qwen3MoeForCausalLM(MoeForCausalLM):
     fused_decode = True
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         if not cfg.qk_norm:
             raise ValueError("Qwen3-MoE normalises q and k per head; this config does not say so")
