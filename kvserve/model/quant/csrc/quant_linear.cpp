@@ -293,7 +293,7 @@ at::Tensor fused(const QuantWeight& w, const at::Tensor& x) {
   return y.to(x.scalar_type());
 }
 
-// ---- int4 W x int8 x (VNNI): few rows of bf16 / float16 x ------------------------------------------
+// ---- int4 W x int8 x (VNNI): few rows of x, with quantize_x ----------------------------------------
 // Each row of x is quantized once per call to int8 with a step dx per 32-input chunk (amax / 127), so
 // W's nibbles multiply x as bytes (vpdpbusd: 64 u8 x s8 products per instruction) instead of being
 // converted to float one by one. W and x are walked in blocks of 128 inputs (4 chunks): one 64-byte
@@ -302,7 +302,7 @@ at::Tensor fused(const QuantWeight& w, const at::Tensor& x) {
 // its float factor scale[group] * dx[chunk] from a lane table. The zero points add
 // sum_g zero[g] * xsum[g], with xsum the sum of the *quantized* x over group g: the result is exactly
 // w . x_hat, so the error is w . (x_hat - x) with |x_hat - x| <= dx / 2 per input.
-// float32 x keeps the exact float path above (it is what quality comparisons run in).
+// quantize_x = false keeps the exact float path above (what quality comparisons run in).
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KVSERVE_VNNI 1
 
@@ -1295,8 +1295,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
     if (int8_vnni && x.scalar_type() == at::kHalf) return int8_fused<c10::Half>(w, x);
     if (int8_vnni && x.scalar_type() == at::kFloat) return int8_fused<float>(w, x);
 #endif
-    const QuantWeightRef& ref = w;
-    if (quantize_x && int_linear_avx2_supported(ref, bits)) return int_linear_avx2(ref, bits, x);
+    if (quantize_x && int_linear_avx2_supported(w, bits)) return int_linear_avx2(w, bits, x);
     return bits == 4 ? fused<4>(w, x) : fused<8>(w, x);
   }
 #if defined(KVSERVE_AMX)
@@ -1556,8 +1555,7 @@ std::unique_ptr<ExpertStrips> quant_strips(const at::Tensor& x, const at::Tensor
   else if (int8_vnni && x.scalar_type() == at::kHalf) out = std::make_unique<Int8Strips<c10::Half>>(w, x, y);
   else if ((quantize_x && bits == 4) || int8_vnni) return nullptr;  // float32 x in integers
 #endif
-  const QuantWeightRef& ref = w;
-  if (!out && quantize_x && int_linear_avx2_supported(ref, bits)) return nullptr;
+  if (!out && quantize_x && int_linear_avx2_supported(w, bits)) return nullptr;
   if (!out) {
     if (bits == 4) out = std::make_unique<FusedStrips<4>>(w, x, y);
     else out = std::make_unique<FusedStrips<8>>(w, x, y);

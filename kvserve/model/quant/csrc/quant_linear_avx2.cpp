@@ -39,14 +39,12 @@ constexpr int kIntRows = 8;  // rows of x per pass over a block of W's rows
 // so the accumulators (rows of x times rows of W) fit the 16 registers.
 constexpr int int_w_rows(int mb) { return mb <= 2 ? 4 : mb <= 4 ? 2 : 1; }
 
-// Rows of W ahead of the current one to prefetch (a line per 64 bytes read). Cold weights (DRAM), one
-// thread, built for AVX2 on Zen 5: 16 rows ahead took the default model's int4 layers from 2.0 to 1.5
-// ms and its int8 head from 1.6 to 0.77 ms; 32 or 64 rows did no better, nor prefetching the scales.
+// Rows of W ahead of the current one to prefetch (a line per 64 bytes read): cold weights come from
+// DRAM, which the hardware prefetcher alone did not keep up with; more rows ahead did no better.
 constexpr int64_t kPrefetchRows = 16;
 
 // Rows of W per parallel task: a second thread costs a wake-up that a small matrix never earns back,
-// so split only beyond ~256 KB of W, into equal tasks (the default model's qkv, 276 KB, had one task
-// of 910 rows and one of 50). 64 or 32 KB tasks made no difference to its decode steps.
+// so split only beyond ~256 KB of W, into equal tasks (not a full task and a sliver).
 inline int64_t rows_per_task(int64_t rows, int64_t row_bytes) {
   const int64_t tasks = std::max<int64_t>(1, rows * row_bytes / (int64_t{1} << 18));
   return std::max<int64_t>(16, (rows + tasks - 1) / tasks);
