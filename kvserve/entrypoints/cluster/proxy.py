@@ -78,18 +78,19 @@ class Cluster:
             logger.warning("replica %d (%s) is down: %s", replica, self.replicas[replica].url, why)
         self.router.mark_down(replica)
 
+    async def replica_metrics(self, replica: int) -> str | None:
+        """A replica's /metrics text (with the API key, for replicas that protect it), or None."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            response = await self.client.get(self.replicas[replica].url + "/metrics", headers=headers, timeout=5.0)
+        except httpx.HTTPError:
+            return None
+        return response.text if response.status_code == 200 else None
+
     async def learn_pools(self) -> None:
         """Read each replica's KV pool size (blocks) from its /metrics and tell the router."""
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-        async def fetch(i: int) -> int | None:
-            try:
-                response = await self.client.get(self.replicas[i].url + "/metrics", headers=headers, timeout=5.0)
-            except httpx.HTTPError:
-                return None
-            return pool_blocks(response.text) if response.status_code == 200 else None
-
-        self.kv_blocks = list(await asyncio.gather(*(fetch(i) for i in range(len(self.replicas)))))
+        texts = await asyncio.gather(*(self.replica_metrics(i) for i in range(len(self.replicas))))
+        self.kv_blocks = [pool_blocks(text) if text is not None else None for text in texts]
         for i, blocks in enumerate(self.kv_blocks):
             if blocks:
                 self.router.set_capacity(i, blocks)
@@ -193,12 +194,7 @@ class Cluster:
     # ---- metrics --------------------------------------------------------------------------------
     async def metrics_text(self) -> str:
         async def fetch(i: int) -> str:
-            if not self.router.healthy[i]:
-                return ""
-            try:
-                return (await self.client.get(self.replicas[i].url + "/metrics", timeout=5.0)).text
-            except httpx.HTTPError:
-                return ""
+            return (await self.replica_metrics(i) or "") if self.router.healthy[i] else ""
 
         texts = await asyncio.gather(*(fetch(i) for i in range(len(self.replicas))))
         return merge_metrics(texts) + self._own_metrics()
