@@ -24,6 +24,7 @@
 // (prefill) or other CPUs: dequantize a tile of W into x's dtype and hand it to at::mm (oneDNN, MKL),
 // so the dequantization is amortised over every row of x.
 #include "kernels.h"
+#include "quant_rows.h"
 #include "simd.h"
 
 #include <ATen/ATen.h>
@@ -50,37 +51,8 @@ struct QuantWeight : QuantWeightRef {  // the fields are kernels.h's, shared wit
   int64_t groups() const { return k / group; }
 };
 
-// fp16 -> float for one row's scales or zeros (c10::Half's own conversion is bit-twiddling in software).
-inline void half_to_float(const c10::Half* src, int64_t count, float* dst) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= count; i += 16)
-    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
-#elif defined(KVSERVE_AVX2)
-  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(dst + i, simd::load8(src + i));
-#endif
-  for (; i < count; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
 // Float scales and zeros of row n, converted once per row into `buf` (2 * groups floats).
-inline void row_params(const QuantWeight& w, int64_t n, float* buf) {
-  const int64_t g = w.groups();
-  if (w.factors) {
-    const uint8_t* sc = static_cast<const uint8_t*>(w.scales) + n * g;
-    const float fs = w.factors[2 * n], fz = w.factors[2 * n + 1];
-    for (int64_t i = 0; i < g; ++i) buf[i] = sc[i] * fs;
-    if (w.zeros) {
-      const int8_t* zc = static_cast<const int8_t*>(w.zeros) + n * g;
-      for (int64_t i = 0; i < g; ++i) buf[g + i] = zc[i] * fz;
-    } else {
-      std::fill(buf + g, buf + 2 * g, 0.f);
-    }
-    return;
-  }
-  half_to_float(static_cast<const c10::Half*>(w.scales) + n * g, g, buf);
-  if (w.zeros) half_to_float(static_cast<const c10::Half*>(w.zeros) + n * g, g, buf + g);
-  else std::fill(buf + g, buf + 2 * g, 0.f);
-}
+inline void row_params(const QuantWeight& w, int64_t n, float* buf) { row_scales_zeros(w, n, buf, buf + w.groups()); }
 
 // The group of every half-chunk (16 values) of a row: a division per chunk costs more than the chunk.
 std::vector<int32_t> half_chunk_groups(const QuantWeight& w) {

@@ -21,6 +21,7 @@
 // Every row of x goes through the same instructions whatever the number of rows in the call, so a
 // speculative verify (k + 1 rows) gets for each row bitwise what a 1-row call gives it.
 #include "kernels.h"
+#include "quant_rows.h"
 #include "simd.h"
 
 #include <ATen/ATen.h>
@@ -146,31 +147,6 @@ void quantize_x(const at::Tensor& x, int64_t group, int64_t groups, QuantizedX& 
   else parallel_for_dynamic(0, m, 16, rows);
 }
 
-// Scales and zero points of row n as floats: scales at params[0, groups), zeros at params[gpad, gpad +
-// groups) (0 without zero points); the caller keeps the rest of each gpad-long half at zero.
-void row_params(const QuantWeightRef& w, int64_t n, int64_t gpad, float* params) {
-  const int64_t groups = w.k / w.group;
-  float* zeros = params + gpad;
-  if (w.factors) {
-    const uint8_t* sc = static_cast<const uint8_t*>(w.scales) + n * groups;
-    const float fs = w.factors[2 * n], fz = w.factors[2 * n + 1];
-    for (int64_t g = 0; g < groups; ++g) params[g] = sc[g] * fs;
-    for (int64_t g = 0; w.zeros && g < groups; ++g) zeros[g] = static_cast<const int8_t*>(w.zeros)[n * groups + g] * fz;
-    return;
-  }
-  const c10::Half* sc = static_cast<const c10::Half*>(w.scales) + n * groups;
-  const c10::Half* zc = w.zeros ? static_cast<const c10::Half*>(w.zeros) + n * groups : nullptr;
-  int64_t g = 0;
-  for (; g + 8 <= groups; g += 8) {
-    _mm256_storeu_ps(params + g, simd::load8(sc + g));
-    if (w.zeros) _mm256_storeu_ps(zeros + g, simd::load8(zc + g));
-  }
-  for (; g < groups; ++g) {  // vcvtph2ps on one value: c10::Half's own conversion is done in software
-    params[g] = _cvtsh_ss(sc[g].x);
-    if (w.zeros) zeros[g] = _cvtsh_ss(zc[g].x);
-  }
-}
-
 // Scale factors of a unit's lanes 0-3 and 4-7: the groups of half-chunks h0 and h1.
 inline __m256 lane_scales(const float* scales, int32_t h0, int32_t h1) {
   return _mm256_blend_ps(_mm256_broadcast_ss(scales + h0), _mm256_broadcast_ss(scales + h1), 0xF0);
@@ -257,11 +233,11 @@ void int_rows(const QuantWeightRef& w, const int32_t* group_of, const QuantizedX
   constexpr int NR = int_w_rows(MB);
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) {
-    for (int r = 0; r < NR; ++r) row_params(w, n + r, xq.gpad, params + r * 2 * xq.gpad);
+    for (int r = 0; r < NR; ++r) row_scales_zeros(w, n + r, params + r * 2 * xq.gpad, params + (r * 2 + 1) * xq.gpad);
     int_block<BITS, SPLIT, MB, NR>(w, group_of, xq, m0, params, n, y);
   }
   for (; n < n1; ++n) {
-    row_params(w, n, xq.gpad, params);
+    row_scales_zeros(w, n, params, params + xq.gpad);
     int_block<BITS, SPLIT, MB, 1>(w, group_of, xq, m0, params, n, y);
   }
 }
