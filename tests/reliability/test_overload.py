@@ -24,8 +24,9 @@ def server(chat_model):
 
 @pytest.fixture(scope="module")
 def long_model(tmp_path_factory):
-    # A long context, so one request runs for seconds: the queue checks must not race its end.
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-long"), "LlamaForCausalLM", max_position_embeddings=4096)
+    # A long context, so one request runs for seconds: the queue checks and the shutdown's 1 s deadline
+    # must not race its end (4,000 tokens of this tiny model took under 2 s on a quiet machine).
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-long"), "LlamaForCausalLM", max_position_embeddings=16384)
 
 
 async def _storm(server, count: int, seed: int) -> dict[str, int]:
@@ -83,10 +84,10 @@ def test_overload_gets_fast_429s_and_recovers(server):
 
 
 def test_n_counts_in_the_queue_and_shutdown_ends_streams_with_an_error(long_model):
-    proc = start_server(long_model, "--max-num-seqs", "1", "--max-queue", "8", "--max-model-len", "4096",
-                        "--num-kv-blocks", "700", "--shutdown-timeout", "1")
+    proc = start_server(long_model, "--max-num-seqs", "1", "--max-queue", "8", "--max-model-len", "16384",
+                        "--num-kv-blocks", "6100", "--shutdown-timeout", "1")
     try:
-        long = {"prompt": "w5", "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": True}
+        long = {"prompt": "w5", "max_tokens": 16000, "temperature": 0, "ignore_eos": True, "stream": True}
         with httpx.Client(base_url=proc.base_url, headers=AUTH, timeout=30) as http:
             with http.stream("POST", "/v1/completions", json=long) as running:
                 lines = running.iter_lines()
