@@ -1,4 +1,4 @@
-"""The replica router's choices, the merged /metrics text, and the replicas' argv."""
+"""The replica router's choices, the front end's health rounds, the merged /metrics text, and the replicas' argv."""
 
 from __future__ import annotations
 
@@ -147,3 +147,68 @@ def test_the_front_end_checks_the_key_and_the_body_size_before_any_replica():
         assert http.post("/v1/chat/completions", headers=key, json=small).status_code == 503
         assert http.get("/v1/models", headers=key).json()["data"][0]["id"] == "m"
         assert http.get("/health").status_code == 503
+
+
+class _Replica:
+    """A real HTTP server standing in for a replica: /health and /metrics answer what ``state`` says."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        state = self.state = {"health": 503, "blocks": None}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path == "/health":
+                    code, body = state["health"], b"{}"
+                elif self.path == "/metrics" and state["blocks"] is not None:
+                    code, body = 200, f"kvserve:kv_cache_blocks {state['blocks']}.0\n".encode()
+                else:
+                    code, body = 503, b""
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def alive(self) -> bool:
+        return True
+
+    def up(self, blocks: int | None) -> None:
+        self.state.update(health=200 if blocks is not None else 503, blocks=blocks)
+
+
+def test_a_replica_that_comes_back_up_has_its_pool_read_again():
+    import asyncio
+
+    from kvserve.entrypoints.cluster.proxy import Cluster
+
+    replica = _Replica()
+    router = make_router("prefix-aware", 1)
+    cluster = Cluster([replica], router, None, None)
+
+    async def scenario() -> list:
+        seen = []
+        await cluster.learn_pools()  # down at start: no pool known, the router keeps its default
+        seen.append((router.healthy[0], cluster.kv_blocks[0]))
+        await cluster.refresh_health()
+        seen.append((router.healthy[0], cluster.kv_blocks[0]))
+        for blocks in (40, None, 24):  # up, then down, then restarted with a smaller pool
+            replica.up(blocks)
+            await cluster.refresh_health()
+            seen.append((router.healthy[0], cluster.kv_blocks[0], router.capacity[0]))
+        await cluster.client.aclose()
+        return seen
+
+    try:
+        seen = asyncio.run(scenario())
+    finally:
+        replica.server.shutdown()
+    assert seen == [(True, None), (False, None), (True, 40, 40), (False, 40, 40), (True, 24, 24)]

@@ -6,7 +6,8 @@ which aborts the request there. A replica that fails before it has sent anything
 and the request is tried once more elsewhere; one that fails mid-stream ends the stream with an
 error event and ``[DONE]``. A health loop marks replicas down and up again as /health answers.
 Every answer names its replica in ``x-kvserve-replica``; each replica's KV pool size, read from
-its /metrics at start, sizes the router's picture of its cache.
+its /metrics at start and again whenever it comes back up (restarted, perhaps with another pool),
+sizes the router's picture of its cache.
 ``/metrics`` merges the replicas' metrics under a ``replica`` label, with the router's own; the
 playground and the dashboard are served here too, the dashboard with one panel per replica (events.py).
 """
@@ -88,12 +89,15 @@ class Cluster:
         return response.text if response.status_code == 200 else None
 
     async def learn_pools(self) -> None:
-        """Read each replica's KV pool size (blocks) from its /metrics and tell the router."""
-        texts = await asyncio.gather(*(self.replica_metrics(i) for i in range(len(self.replicas))))
-        self.kv_blocks = [pool_blocks(text) if text is not None else None for text in texts]
-        for i, blocks in enumerate(self.kv_blocks):
-            if blocks:
-                self.router.set_capacity(i, blocks)
+        await asyncio.gather(*(self.learn_pool(i) for i in range(len(self.replicas))))
+
+    async def learn_pool(self, replica: int) -> None:
+        """Read a replica's KV pool size (blocks) from its /metrics and tell the router."""
+        text = await self.replica_metrics(replica)
+        blocks = pool_blocks(text) if text is not None else None
+        self.kv_blocks[replica] = blocks
+        if blocks:
+            self.router.set_capacity(replica, blocks)
 
     # ---- health ---------------------------------------------------------------------------------
     async def check(self, replica: int) -> bool:
@@ -105,15 +109,20 @@ class Cluster:
         except httpx.HTTPError:
             return False
 
+    async def refresh_health(self) -> None:
+        """One round of /health calls: replicas marked down, or up again with their pool read anew."""
+        results = await asyncio.gather(*(self.check(i) for i in range(len(self.replicas))))
+        for i, ok in enumerate(results):
+            if ok and not self.router.healthy[i]:
+                logger.info("replica %d is healthy again", i)
+                self.router.mark_up(i)
+                await self.learn_pool(i)
+            elif not ok:
+                self.mark_down(i, "/health failed")
+
     async def health_loop(self) -> None:
         while True:
-            results = await asyncio.gather(*(self.check(i) for i in range(len(self.replicas))))
-            for i, ok in enumerate(results):
-                if ok and not self.router.healthy[i]:
-                    logger.info("replica %d is healthy again", i)
-                    self.router.mark_up(i)
-                elif not ok:
-                    self.mark_down(i, "/health failed")
+            await self.refresh_health()
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
     # ---- relaying -------------------------------------------------------------------------------
