@@ -1235,6 +1235,20 @@ QuantWeight check_strips(const at::Tensor& qweight, const at::Tensor& scales, co
   return QuantWeight{{qweight.data_ptr<uint8_t>(), scales.data_ptr(), zp, fp, n, k, group}};
 }
 
+// The kernel for few rows of x (up to max_fused_rows) against a row-major W: x quantized to int8
+// where asked for and a kernel takes this layout, else the float dequantize-and-FMA loop.
+// quant_linear runs it; quant_strips runs its strips form where it has one.
+enum class FewRows { kInt4Vnni, kInt8Vnni, kIntAvx2, kFloat };
+
+FewRows few_rows_kernel(const QuantWeight& w, int64_t bits, bool quantize_x) {
+  if (!quantize_x) return FewRows::kFloat;
+#if defined(KVSERVE_VNNI)
+  if (bits == 4) return FewRows::kInt4Vnni;
+  if (bits == 8 && !w.factors && w.k % 32 == 0) return FewRows::kInt8Vnni;
+#endif
+  return int_linear_avx2_supported(w, bits) ? FewRows::kIntAvx2 : FewRows::kFloat;
+}
+
 }  // namespace
 
 // x: [M, K] float32/bfloat16/float16, contiguous. Returns [M, N] in x's dtype. quantize_x: up to
@@ -1258,16 +1272,23 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   const QuantWeight w = check_weight(q, scales, zeros, factors, group, bits);
   TORCH_CHECK(x.size(1) == w.k, "x has ", x.size(1), " features, the weight ", w.k);
   if (x.size(0) <= max_fused_rows) {
+    [[maybe_unused]] const at::ScalarType t = x.scalar_type();
+    switch (few_rows_kernel(w, bits, quantize_x)) {
 #if defined(KVSERVE_VNNI)
-    if (quantize_x && bits == 4 && x.scalar_type() == at::kBFloat16) return int4_fused_any<c10::BFloat16>(w, x);
-    if (quantize_x && bits == 4 && x.scalar_type() == at::kHalf) return int4_fused_any<c10::Half>(w, x);
-    if (quantize_x && bits == 4 && x.scalar_type() == at::kFloat) return int4_fused_any<float>(w, x);
-    const bool int8_vnni = quantize_x && bits == 8 && !w.factors && w.k % 32 == 0;
-    if (int8_vnni && x.scalar_type() == at::kBFloat16) return int8_fused<c10::BFloat16>(w, x);
-    if (int8_vnni && x.scalar_type() == at::kHalf) return int8_fused<c10::Half>(w, x);
-    if (int8_vnni && x.scalar_type() == at::kFloat) return int8_fused<float>(w, x);
+      case FewRows::kInt4Vnni:
+        if (t == at::kBFloat16) return int4_fused_any<c10::BFloat16>(w, x);
+        if (t == at::kHalf) return int4_fused_any<c10::Half>(w, x);
+        if (t == at::kFloat) return int4_fused_any<float>(w, x);
+        break;
+      case FewRows::kInt8Vnni:
+        if (t == at::kBFloat16) return int8_fused<c10::BFloat16>(w, x);
+        if (t == at::kHalf) return int8_fused<c10::Half>(w, x);
+        if (t == at::kFloat) return int8_fused<float>(w, x);
+        break;
 #endif
-    if (quantize_x && int_linear_avx2_supported(w, bits)) return int_linear_avx2(w, bits, x);
+      case FewRows::kIntAvx2: return int_linear_avx2(w, bits, x);
+      default: break;
+    }
     return bits == 4 ? fused<4>(w, x) : fused<8>(w, x);
   }
 #if defined(KVSERVE_AMX)
@@ -1504,8 +1525,9 @@ class Int8Strips final : public ExpertStrips {
 
 }  // namespace
 
-// The same dispatch as quant_linear's first branch (x.size(0) <= max_fused_rows). Integer paths
-// without a strips form here (float32 x on VNNI, AVX2) return nullptr: the expert then runs alone.
+// The kernel quant_linear runs for few rows (few_rows_kernel, x.size(0) <= max_fused_rows) in its
+// strips form. Kernels without one (float32 x on VNNI, AVX2's integers) return nullptr: the expert
+// then runs alone.
 std::unique_ptr<ExpertStrips> quant_strips(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                                            const c10::optional<at::Tensor>& zeros,
                                            const c10::optional<at::Tensor>& factors, int64_t group, int64_t bits,
@@ -1519,18 +1541,24 @@ std::unique_ptr<ExpertStrips> quant_strips(const at::Tensor& x, const at::Tensor
               "y must be a contiguous [M, N] matrix of x's dtype");
   if (x.size(0) == 0 || x.size(0) > max_fused_rows) return nullptr;
   std::unique_ptr<ExpertStrips> out;
+  [[maybe_unused]] const at::ScalarType t = x.scalar_type();
+  switch (few_rows_kernel(w, bits, quantize_x)) {
 #if defined(KVSERVE_VNNI)
-  const bool int8_vnni = quantize_x && bits == 8 && !w.factors && w.k % 32 == 0;
-  if (quantize_x && bits == 4 && x.scalar_type() == at::kBFloat16) out = int4_strips<c10::BFloat16>(w, x, y);
-  else if (quantize_x && bits == 4 && x.scalar_type() == at::kHalf) out = int4_strips<c10::Half>(w, x, y);
-  else if (int8_vnni && x.scalar_type() == at::kBFloat16) out = std::make_unique<Int8Strips<c10::BFloat16>>(w, x, y);
-  else if (int8_vnni && x.scalar_type() == at::kHalf) out = std::make_unique<Int8Strips<c10::Half>>(w, x, y);
-  else if ((quantize_x && bits == 4) || int8_vnni) return nullptr;  // float32 x in integers
+    case FewRows::kInt4Vnni:
+      if (t == at::kBFloat16) out = int4_strips<c10::BFloat16>(w, x, y);
+      else if (t == at::kHalf) out = int4_strips<c10::Half>(w, x, y);
+      else return nullptr;  // float32 x in integers
+      break;
+    case FewRows::kInt8Vnni:
+      if (t == at::kBFloat16) out = std::make_unique<Int8Strips<c10::BFloat16>>(w, x, y);
+      else if (t == at::kHalf) out = std::make_unique<Int8Strips<c10::Half>>(w, x, y);
+      else return nullptr;
+      break;
 #endif
-  if (!out && quantize_x && int_linear_avx2_supported(w, bits)) return nullptr;
-  if (!out) {
-    if (bits == 4) out = std::make_unique<FusedStrips<4>>(w, x, y);
-    else out = std::make_unique<FusedStrips<8>>(w, x, y);
+    case FewRows::kIntAvx2: return nullptr;
+    default:
+      if (bits == 4) out = std::make_unique<FusedStrips<4>>(w, x, y);
+      else out = std::make_unique<FusedStrips<8>>(w, x, y);
   }
   set_units(*out, w.n, q.nbytes() + scales.nbytes() + tensor_bytes(zeros) + tensor_bytes(factors));
   return out;
