@@ -258,6 +258,32 @@ def test_float_activations_stay_exact():
         assert (quantized.double() - ref).abs().max() > 10 * (exact.double() - ref).abs().max()
 
 
+@pytest.mark.parametrize("k", [1000, 1040, 1024])
+def test_a_layer_quantizes_x_only_where_an_integer_kernel_takes_its_w(k):
+    """int8 per output channel: a width of 1024 meets an integer kernel, which quantizes x; 1000 (not
+    whole chunks of 32, nor groups of 16) meets none, so x stays float, exact to float rounding;
+    1040 (groups of 16, not chunks of 32) meets AVX2's kernel, not VNNI's. The layer asks the kernels
+    which, rather than keeping a rule of its own."""
+    from kvserve.model.layers.linear import Linear
+    from kvserve.model.quant.methods import int8
+
+    kernels = _kernels()
+    if not kernels.has_int8_activations():
+        pytest.skip("no integer kernels on this CPU")
+    torch.manual_seed(5)
+    w = torch.randn(48, k) * 0.1
+    layer = Linear(k, 48, bias=False, dtype=torch.float32)
+    layer.set_method(int8(group=None))
+    layer.load_weight("weight", w, None, "proj")
+    layer.method.finish_loading(layer)
+    x = torch.randn(3, k)
+    error = (layer.project(x).double() - x.double() @ layer.method.dense(layer, torch.float32).double().T).abs().max()
+    serves = kernels.int8_x_serves(8, k, k, False)
+    assert serves == (k == 1024 or (k == 1040 and kernels.vector_bits() == 256))
+    assert (error > 1e-3) == serves, error
+    assert layer.method.kernel_spec(layer, kernels) is not None
+
+
 @pytest.mark.parametrize("bits, group, n", [(4, 32, 200), (8, 32, 200), (4, 16, 75), (8, 16, 75)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_few_row_kernel_rows_do_not_depend_on_the_batch(bits, group, n, dtype):

@@ -109,6 +109,9 @@ at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const
                       const c10::optional<at::Tensor>& factors, int64_t group, int64_t bits, at::ScalarType dtype);
 bool has_amx();
 bool has_int8_activations();  // few-row int4/int8 kernels can quantize x to int8 (AVX512-VNNI or AVX2)
+// Whether few rows of x against an int4/int8 W of k inputs in groups of `group` (coded: 8-bit codes
+// of the scales) meet an integer kernel when quantize_x asks for one; else the float loop runs.
+bool int8_x_serves(int64_t bits, int64_t group, int64_t k, bool coded);
 int64_t vector_bits();        // the kernels' vector width: 512 (AVX-512), 256 (AVX2 + FMA + F16C) or 0 (scalar)
 // quant_linear's and dense_linear's few-row paths as ExpertStrips writing y (x's dtype, [M, N]
 // contiguous), or nullptr where x has more rows than max_fused_rows (the whole-layer call then).

@@ -24,6 +24,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_int8_activations", &has_int8_activations,
         "few-row int4/int8 linears can quantize x to int8 per 32 inputs (quant_linear's quantize_x: AVX512-VNNI "
         "or AVX2); else x stays float");
+  m.def("int8_x_serves", &int8_x_serves,
+        "few rows of x against an int4/int8 W of these bits, group, inputs and coded scales meet an integer "
+        "kernel when quant_linear's quantize_x asks for one (else the float loop runs)",
+        py::arg("bits"), py::arg("group"), py::arg("k"), py::arg("coded"));
   m.def("packed_linear_supported", &packed_linear_supported,
         "the packed bf16 weight layout is usable here (AVX512-BF16, or AVX2 + FMA with float32 products)");
   m.def("native_bf16", &native_bf16, "this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX)");

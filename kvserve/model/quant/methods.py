@@ -326,26 +326,27 @@ class GroupQuant(QuantMethod):
         else:
             # The weight tensors and their layout, gathered once: per call it cost more than a small layer's
             # whole decode matmul (module attribute lookups, the group size search).
-            args = layer.__dict__.get("_kernel_args")
-            if args is None or args[0] is not layer._buffers["qweight"]:  # first call, or tensors rebound
-                args = layer._kernel_args = (layer.qweight, layer.scales, layer.zeros, layer.factors,
-                                             self.layer_group(layer), self.bits)
-            int8_x = self._int8_x(args[4])
+            call = layer.__dict__.get("_kernel_call")
+            if call is None or call[0][0] is not layer._buffers["qweight"]:  # first call, or tensors rebound
+                args = (layer.qweight, layer.scales, layer.zeros, layer.factors, self.layer_group(layer), self.bits)
+                call = layer._kernel_call = (args, self._int8_x(layer, kernels))
+            args, int8_x = call
             y = kernels.quant_linear(flat.contiguous(), *args, _few_rows(args[0], x.dtype, int8_x), _max_mid_rows(),
                                      _TILE_BYTES, int8_x)
         return y.reshape(*x.shape[:-1], layer.out_features)
 
-    def _int8_x(self, group: int) -> bool:
-        """Whether this layer's x is quantized: asked for, and a layout the integer kernels take (int8
-        groups of other sizes than multiples of 16 keep the float kernels and their row limits)."""
-        return self.int8_activations and (self.bits == 4 or group % 16 == 0)
+    def _int8_x(self, layer, kernels) -> bool:
+        """Whether this layer's x is quantized: asked for, and an integer kernel takes W's layout (the
+        kernels say; one that none takes, say int8 per channel of an odd width, keeps the float loop
+        and its row limits)."""
+        return self.int8_activations and kernels.int8_x_serves(self.bits, self.layer_group(layer), layer.in_features,
+                                                               layer.factors is not None)
 
     def kernel_spec(self, layer, kernels):
-        group = self.layer_group(layer)
-        int8_x = self._int8_x(group)
-        return kernels.LinearSpec(1, layer.qweight, layer.scales, layer.zeros, layer.factors, layer.bias, group,
-                                  self.bits, _few_rows(layer.qweight, layer.dtype, int8_x), _max_mid_rows(),
-                                  _TILE_BYTES, quantize_x=int8_x)
+        int8_x = self._int8_x(layer, kernels)
+        return kernels.LinearSpec(1, layer.qweight, layer.scales, layer.zeros, layer.factors, layer.bias,
+                                  self.layer_group(layer), self.bits, _few_rows(layer.qweight, layer.dtype, int8_x),
+                                  _max_mid_rows(), _TILE_BYTES, quantize_x=int8_x)
 
     def dense(self, layer, dtype: torch.dtype) -> torch.Tensor:
         q, scales, zeros, factors = self._rows(layer)

@@ -1235,18 +1235,24 @@ QuantWeight check_strips(const at::Tensor& qweight, const at::Tensor& scales, co
   return QuantWeight{{qweight.data_ptr<uint8_t>(), scales.data_ptr(), zp, fp, n, k, group}};
 }
 
-// The kernel for few rows of x (up to max_fused_rows) against a row-major W: x quantized to int8
-// where asked for and a kernel takes this layout, else the float dequantize-and-FMA loop.
-// quant_linear runs it; quant_strips runs its strips form where it has one.
+// The kernel for few rows of x (up to max_fused_rows) against a row-major W of k inputs in groups
+// of `group` (coded: scales as 8-bit codes): x quantized to int8 where asked for and a kernel takes
+// this layout, else the float dequantize-and-FMA loop. quant_linear runs it; quant_strips runs its
+// strips form where it has one; int8_x_serves tells quant/methods.py.
 enum class FewRows { kInt4Vnni, kInt8Vnni, kIntAvx2, kFloat };
 
-FewRows few_rows_kernel(const QuantWeight& w, int64_t bits, bool quantize_x) {
+FewRows few_rows_kernel(int64_t bits, int64_t group, int64_t k, bool coded, bool quantize_x) {
   if (!quantize_x) return FewRows::kFloat;
 #if defined(KVSERVE_VNNI)
   if (bits == 4) return FewRows::kInt4Vnni;
-  if (bits == 8 && !w.factors && w.k % 32 == 0) return FewRows::kInt8Vnni;
+  if (bits == 8 && !coded && k % 32 == 0) return FewRows::kInt8Vnni;
 #endif
-  return int_linear_avx2_supported(w, bits) ? FewRows::kIntAvx2 : FewRows::kFloat;
+  const QuantWeightRef shape{nullptr, nullptr, nullptr, nullptr, 0, k, group};
+  return int_linear_avx2_supported(shape, bits) ? FewRows::kIntAvx2 : FewRows::kFloat;
+}
+
+FewRows few_rows_kernel(const QuantWeight& w, int64_t bits, bool quantize_x) {
+  return few_rows_kernel(bits, w.group, w.k, w.factors != nullptr, quantize_x);
 }
 
 }  // namespace
@@ -1360,6 +1366,10 @@ int64_t vector_bits() {
 #else
   return 0;
 #endif
+}
+
+bool int8_x_serves(int64_t bits, int64_t group, int64_t k, bool coded) {
+  return few_rows_kernel(bits, group, k, coded, true) != FewRows::kFloat;
 }
 
 bool has_int8_activations() {
