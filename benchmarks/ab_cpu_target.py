@@ -12,7 +12,7 @@ Once per tree, the greedy output of that default engine on a few chat prompts, c
 
     .venv/bin/python benchmarks/ab_cpu_target.py --old 7d93151 [--rounds 2] [--json OUT]
 
-The old revision is unpacked (`git archive`) into a temporary folder, removed after. If its
+The old revision is unpacked into a temporary folder, removed after (ab_trees.py). If its
 kernel loader (model/cpu_kernels.py) predates KVSERVE_CPU_TARGET, its -march=native is replaced by the
 target's flags, so both trees build their own kernels for the same target; each build compiles on
 first use (a few minutes, cached).
@@ -26,10 +26,10 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from ab_trees import REPO, alternate, old_revision
+
 LOADER = Path("kvserve/model/cpu_kernels.py")
 
 # Run inside each tree's process: the default engine's single-stream speed and greedy output.
@@ -101,6 +101,12 @@ def _with_target_loader(tree: Path, target: str) -> None:
         loader.write_text(text.replace('"-march=native"', ", ".join(f'"{f}"' for f in target_flags(target))))
 
 
+def describe(m: dict) -> str:
+    return (f"shipped {m['shipped_tokens_per_s']:.1f} tok/s ({100 * m['shipped_fraction']:.0f}% of bound, "
+            f"{m['shipped_over_dense']:.2f}x dense), spec {m['spec']['spec_tokens_per_s']:.1f} tok/s "
+            f"(x{m['spec']['speedup']:.2f}), default {m['default']['default_tokens_per_s']:.1f} tok/s")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--old", required=True, help="a git revision to compare this tree with")
@@ -110,22 +116,9 @@ def main() -> None:
     args = p.parse_args()
     if args.rounds < 1:
         raise SystemExit("--rounds must be >= 1")
-    with tempfile.TemporaryDirectory(prefix="kvserve-ab-") as tmp:
-        old_tree = Path(tmp) / "old"
-        old_tree.mkdir()
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", args.old], check=True, capture_output=True)
-        subprocess.run(["tar", "-x", "-C", str(old_tree)], input=archive.stdout, check=True)
+    with old_revision(args.old) as old_tree:
         _with_target_loader(old_tree, args.target)
-        trees = {"old": old_tree, "new": REPO}
-        rounds: dict[str, list[dict]] = {"old": [], "new": []}
-        for r in range(args.rounds):
-            for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
-                rounds[name].append(measure(trees[name], args.target, greedy=r == 0))
-                m = rounds[name][-1]
-                print(f"round {r + 1} {name}: shipped {m['shipped_tokens_per_s']:.1f} tok/s "
-                      f"({100 * m['shipped_fraction']:.0f}% of bound, {m['shipped_over_dense']:.2f}x dense), "
-                      f"spec {m['spec']['spec_tokens_per_s']:.1f} tok/s (x{m['spec']['speedup']:.2f}), default "
-                      f"{m['default']['default_tokens_per_s']:.1f} tok/s", file=sys.stderr)
+        rounds = alternate(old_tree, args.rounds, lambda tree, r: measure(tree, args.target, greedy=r == 0), describe)
     summary = {}
     for name, runs in rounds.items():
         med = statistics.median

@@ -7,8 +7,7 @@ order flipping every round, so both see the same machine; the ratios of the medi
 
     .venv/bin/python benchmarks/ab_revisions.py --old 9c2fef9~1 [--rounds 4] [--json OUT]
 
-The old revision is checked out with `git worktree` into a temporary folder and removed after; its
-C++ kernels compile on first use (a few minutes, cached per source).
+The old revision is unpacked into a temporary folder and removed after (ab_trees.py).
 """
 
 from __future__ import annotations
@@ -19,10 +18,9 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from ab_trees import alternate, old_revision
 
 # Run inside each tree's process; prints one JSON line of output tokens/s per workload.
 CHILD = r"""
@@ -61,20 +59,9 @@ def main() -> None:
     if args.rounds < 1:
         raise SystemExit("--rounds must be >= 1")
     engine_args = json.loads(args.engine_args)
-    with tempfile.TemporaryDirectory(prefix="kvserve-ab-") as tmp:
-        old_tree = Path(tmp) / "old"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(old_tree), args.old],
-                       check=True, capture_output=True)
-        try:
-            trees = {"old": old_tree, "new": REPO}
-            rounds: dict[str, list[dict]] = {"old": [], "new": []}
-            for r in range(args.rounds):
-                for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
-                    rounds[name].append(measure(trees[name], engine_args))
-                    print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in rounds[name][-1].items()),
-                          file=sys.stderr)
-        finally:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(old_tree)], check=False)
+    with old_revision(args.old) as old_tree:
+        rounds = alternate(old_tree, args.rounds, lambda tree, r: measure(tree, engine_args),
+                           lambda m: ", ".join(f"{k} {v:.1f} tok/s" for k, v in m.items()))
     summary = {}
     for workload in ("W1", "W3"):
         old = statistics.median(x[workload] for x in rounds["old"])
