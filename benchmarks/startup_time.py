@@ -31,10 +31,10 @@ path = verified_default_model_path(); lap("sha256 of the GGUF file (checked once
 from kvserve.model import gguf_file
 gguf_file.read_config(path); lap("GGUF header (cached index; gguf.GGUFReader on a first start)")
 from kvserve.config import QuantConfig
-from kvserve.model.loader import auto_dtype, load_model
+from kvserve.model.loader import load_model, resolve_auto
 quant = None if sys.argv[2] == "default" else sys.argv[2]
-dtype = auto_dtype(path, torch.device("cpu")) if sys.argv[1] == "auto" else sys.argv[1]
-model, cfg = load_model(path, getattr(torch, dtype), torch.device("cpu"), QuantConfig(quant)); lap(f"build model ({dtype}), fill weights")
+dtype, quant = resolve_auto(sys.argv[1], QuantConfig(quant), path, torch.device("cpu"))  # as EngineCore does
+model, cfg = load_model(path, getattr(torch, dtype), torch.device("cpu"), quant); lap(f"build model ({dtype}), fill weights")
 from kvserve.frontend.tokenizer import load_tokenizer
 load_tokenizer(path); lap("tokenizer (cached conversion)")
 from kvserve.model.cpu_kernels import load_kernels as load_cpu_kernels

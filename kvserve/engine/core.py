@@ -19,7 +19,7 @@ from kvserve.kv_cache.hybrid import make_kv_cache
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.kv_cache.sizing import KVCacheInfo, max_sequence_blocks, max_window_blocks, size_kv_cache
 from kvserve.model.attention.backend import get_backend
-from kvserve.model.loader import auto_dtype, float32_checkpoint, load_model, resolve_model_path
+from kvserve.model.loader import load_model, resolve_auto, resolve_model_path
 from kvserve.model.quant.registry import describe_quantization, weight_bytes
 from kvserve.model.sharding import TensorShard
 from kvserve.request import Request, RequestStatus
@@ -102,13 +102,10 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.model_path = resolve_model_path(config.model)
         device = torch.device(config.device)
-        # Both "auto"s resolved together: activation quantization follows why the run is float32, if it is.
-        by_choice = config.dtype == "float32" or (config.dtype == "auto" and float32_checkpoint(self.model_path))
-        activations = "int8" if config.quant.int8_activations(by_choice) else "none"
-        config = dataclasses.replace(config, quant=dataclasses.replace(config.quant, activation_quantization=activations))
+        dtype, quant = resolve_auto(config.dtype, config.quant, self.model_path, device)
         if config.dtype == "auto":
-            config = dataclasses.replace(config, dtype=auto_dtype(self.model_path, device))
-            log.info("dtype: %s (auto)", config.dtype)
+            log.info("dtype: %s (auto)", dtype)
+        config = dataclasses.replace(config, dtype=dtype, quant=quant)
         self.config = config
         if device.type == "cpu":
             keep_freed_memory()  # large per-step tensors reuse heap memory: see runtime/allocator.py

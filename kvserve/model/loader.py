@@ -55,6 +55,16 @@ def float32_checkpoint(path: Path) -> bool:
     return _stored_dtype(load_hf_config(path)) == "float32"
 
 
+def resolve_auto(dtype: str, quant: QuantConfig, path: Path, device: torch.device) -> tuple[str, QuantConfig]:
+    """``dtype`` and ``quant.activation_quantization`` with their "auto"s resolved, together: x stays
+    float in a run that is float32 by choice (asked for, or a float32 checkpoint under "auto"), not in
+    one that is float32 only because the CPU lacks bf16 (QuantConfig.int8_activations)."""
+    by_choice = dtype == "float32" or (dtype == "auto" and float32_checkpoint(path))
+    activations = "int8" if quant.int8_activations(by_choice) else "none"
+    quant = dataclasses.replace(quant, activation_quantization=activations)
+    return (auto_dtype(path, device) if dtype == "auto" else dtype), quant
+
+
 def _stored_dtype(hf: dict[str, Any]) -> str | None:
     stored = hf.get("torch_dtype") or hf.get("dtype")  # transformers 5 writes "dtype"
     return "float32" if stored == "float" else stored

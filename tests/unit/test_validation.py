@@ -94,6 +94,31 @@ def test_auto_dtype_follows_the_checkpoint_and_the_cpu(tmp_path, tiny_llama):
         _ = EngineConfig(dtype="auto").torch_dtype
 
 
+def test_activation_quantization_auto_follows_why_the_run_is_float32(tiny_llama, tmp_path):
+    """"auto" quantizes x unless the run is float32 by choice: --dtype float32, or a float32
+    checkpoint under dtype "auto"; a 16-bit checkpoint that runs in float32 for want of bf16 still
+    quantizes. An explicit choice stands. Engine and benchmarks resolve both "auto"s in one place."""
+    import torch
+
+    from kvserve.config import QuantConfig
+    from kvserve.model.loader import auto_dtype, resolve_auto
+    from tests.conftest import make_tiny_model
+
+    cpu = torch.device("cpu")
+    bf16 = make_tiny_model(tmp_path / "bf16", "LlamaForCausalLM", dtype=torch.bfloat16)
+
+    def resolved(dtype, path, activations="auto"):
+        dtype, quant = resolve_auto(dtype, QuantConfig(activation_quantization=activations), path, cpu)
+        return dtype, quant.activation_quantization
+
+    assert resolved("auto", tiny_llama) == ("float32", "none")  # a float32 checkpoint
+    assert resolved("auto", bf16) == (auto_dtype(bf16, cpu), "int8")  # float32 here only if the CPU lacks bf16
+    assert resolved("float32", bf16) == ("float32", "none")
+    assert resolved("bfloat16", tiny_llama) == ("bfloat16", "int8")
+    assert resolved("float32", bf16, "int8") == ("float32", "int8")
+    assert resolved("auto", bf16, "none")[1] == "none"
+
+
 def test_activation_quantization_follows_why_the_run_is_float32(tmp_path, tiny_llama):
     """"auto" quantizes x to int8 except in a float32 run by choice: dtype="float32" asked for (the
     exact path quality comparisons run in), or a float32 checkpoint under dtype "auto". EngineCore

@@ -43,7 +43,7 @@ def assign_quant_methods(model: torch.nn.Module, quant: QuantConfig,
 
     ``gguf_types`` maps HF tensor names to GGML type names when the checkpoint is a GGUF file. The
     quantized methods may quantize few rows of x to int8 (GroupQuant) unless
-    ``quant.activation_quantization`` is "none" (EngineCore resolves "auto"; unresolved it means int8).
+    ``quant.activation_quantization`` is "none" (loader.resolve_auto resolves "auto"; unresolved it means int8).
     """
     quantization, group_size = quant.quantization, quant.group_size
     int8_activations = quant.activation_quantization != "none"
