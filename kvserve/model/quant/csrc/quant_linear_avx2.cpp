@@ -227,19 +227,21 @@ inline void int_block(const QuantWeightRef& w, const int32_t* group_of, const Qu
 }
 
 // Rows [n0, n1) of W against MB rows of x from m0, NR rows of W at a time (the last few one at a time).
+// params: every row's scales and zeros from n0 on, converted already (`converted`), or room for NR
+// rows', converted here.
 template <int BITS, bool SPLIT, int MB>
 void int_rows(const QuantWeightRef& w, const int32_t* group_of, const QuantizedX& xq, int64_t m0, int64_t n0,
-              int64_t n1, float* params, float* y) {
+              int64_t n1, float* params, bool converted, float* y) {
   constexpr int NR = int_w_rows(MB);
+  const int64_t per_row = 2 * xq.gpad;
+  const auto rows_at = [&](int64_t n, int rows) {
+    if (converted) return params + (n - n0) * per_row;
+    for (int r = 0; r < rows; ++r) row_scales_zeros(w, n + r, params + r * per_row, params + r * per_row + xq.gpad);
+    return params;
+  };
   int64_t n = n0;
-  for (; n + NR <= n1; n += NR) {
-    for (int r = 0; r < NR; ++r) row_scales_zeros(w, n + r, params + r * 2 * xq.gpad, params + (r * 2 + 1) * xq.gpad);
-    int_block<BITS, SPLIT, MB, NR>(w, group_of, xq, m0, params, n, y);
-  }
-  for (; n < n1; ++n) {
-    row_scales_zeros(w, n, params, params + xq.gpad);
-    int_block<BITS, SPLIT, MB, 1>(w, group_of, xq, m0, params, n, y);
-  }
+  for (; n + NR <= n1; n += NR) int_block<BITS, SPLIT, MB, NR>(w, group_of, xq, m0, rows_at(n, NR), n, y);
+  for (; n < n1; ++n) int_block<BITS, SPLIT, MB, 1>(w, group_of, xq, m0, rows_at(n, 1), n, y);
 }
 
 template <int BITS, bool SPLIT>
@@ -260,10 +262,17 @@ at::Tensor int_linear(const QuantWeightRef& w, const at::Tensor& x) {
   at::Tensor y = at::empty({m, w.n}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
   parallel_for_dynamic(0, w.n, rows_per_task(w.n, BITS == 4 ? w.k / 2 : w.k), [&](int64_t n0, int64_t n1) {
-    std::vector<float> params(4 * 2 * xr.gpad, 0.f);  // NR rows' scales and zeros, zero-padded
+    // Several blocks of x (prefill): the task's rows' scales and zeros converted once, not once per
+    // block; one block converts each row's as it reaches it.
+    const bool converted = m > kIntRows;
+    std::vector<float> params((converted ? n1 - n0 : 4) * 2 * xr.gpad, 0.f);  // zero-padded per row
+    for (int64_t n = n0; converted && n < n1; ++n) {
+      float* row = params.data() + (n - n0) * 2 * xr.gpad;
+      row_scales_zeros(w, n, row, row + xr.gpad);
+    }
     for (int64_t m0 = 0; m0 < m; m0 += kIntRows)
       with_few_rows<kIntRows>(std::min<int64_t>(kIntRows, m - m0), [&](auto mb) {
-        int_rows<BITS, SPLIT, decltype(mb)::value>(w, group_of.data(), xr, m0, n0, n1, params.data(), yp);
+        int_rows<BITS, SPLIT, decltype(mb)::value>(w, group_of.data(), xr, m0, n0, n1, params.data(), converted, yp);
       });
   });
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
