@@ -16,7 +16,7 @@ from kvserve.model.cpu_kernels import load_kernels
 ROOT = Path(__file__).resolve().parents[2]
 # The kernel tests of the quantized linears, then the fused decoder against the eager model (bf16 and
 # float32 x, int4 / int8 weights, the bundled Q4_1 model, speculative verification through it).
-TESTS = [["tests/unit/test_quant_packing.py", "-k", "kernel or rows or activation or exact or vector_bits"],
+TESTS = [["tests/unit/test_quant_packing.py", "-k", "kernel or rows or activation or exact or vector_bits or strip"],
          ["tests/models/test_fused_decode.py"]]
 
 

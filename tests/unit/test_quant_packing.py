@@ -300,7 +300,14 @@ def test_few_row_kernel_rows_do_not_depend_on_the_batch(bits, group, n, dtype):
         assert torch.equal(kernels.quant_linear(x[:rows].contiguous(), *args), single[:rows])
 
 
-# ---- strips: W repacked at load for the few-row VNNI kernels (packing.to_strips) --------------------
+# ---- strips: W repacked at load for the integer kernels (packing.to_strips) --------------------------
+def _strip_kernel_takes(kernels, bits: int) -> bool:
+    """Whether this build has a strip kernel for ``bits``: AVX512-VNNI for int4 and int8, AVX2 for int4."""
+    if not kernels.has_int8_activations():
+        return False
+    return kernels.vector_bits() == 512 or (kernels.vector_bits() == 256 and bits == 4)
+
+
 def _strip_weight(bits: int, group: int, coded: bool, zeros: bool, n: int = 96, k: int = 576, seed: int = 0):
     torch.manual_seed(seed)
     w = torch.randn(n, k) * 0.1
@@ -332,13 +339,22 @@ def test_strips_round_trip(bits, group, coded, zeros):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_strip_kernel_computes_w_dot_quantized_x(bits, group, coded, zeros, dtype):
     """The strips' kernel quantizes x as the row-major few-row kernels do (int8 per 32 inputs) and
-    computes w . x_hat; past its rows (and for float32 x) W's tiles are dequantized for at::mm."""
+    computes w . x_hat. With VNNI, past its rows (and for float32 x) W's tiles are dequantized for
+    at::mm; AVX2's kernel takes every number of rows of x of any dtype, and only quantized x."""
     kernels = _kernels()
-    if not (kernels.vector_bits() == 512 and kernels.has_int8_activations()):
-        pytest.skip("the strips' kernels need AVX512-VNNI")
+    if not _strip_kernel_takes(kernels, bits):
+        pytest.skip("no strip kernel for this W here (AVX512-VNNI, or AVX2 for int4)")
     q, s, z, f = _strip_weight(bits, group, coded, zeros)
     strips = packing.to_strips(q, s, z, f, bits)
     ref_w = packing.dequantize(q, s, z, bits, torch.float32, f)
+    avx2 = kernels.vector_bits() == 256
+
+    def assert_w_dot_x_hat(y, x, out_eps):
+        x_hat, _, tie_step = _int8_blocks(x)
+        emulated = x_hat @ ref_w.T
+        atol = 1e-5 * (x_hat.abs() @ ref_w.abs().T).max().item()
+        assert ((y.float() - emulated).abs() <= tie_step @ ref_w.abs().T * 1.001 + atol + out_eps * emulated.abs()).all()
+
     out_eps = 2**-8 if dtype == torch.bfloat16 else 2**-11
     for rows in (1, 3, 8, 11):
         x = torch.randn(rows, 576)
@@ -347,17 +363,37 @@ def test_strip_kernel_computes_w_dot_quantized_x(bits, group, coded, zeros, dtyp
         x = x.to(dtype)
         y = kernels.quant_linear(x, *strips, group, bits, 256, 0, 4096, True)
         assert y.dtype == dtype and y.shape == (rows, 96)
-        x_hat, _, tie_step = _int8_blocks(x)
-        emulated = x_hat @ ref_w.T
-        atol = 1e-5 * (x_hat.abs() @ ref_w.abs().T).max().item()
-        assert ((y.float() - emulated).abs() <= tie_step @ ref_w.abs().T * 1.001 + atol + out_eps * emulated.abs()).all()
-        # the rows past the kernel's (prefill) multiply bf16 / fp16 tiles of W, as rows of W would be
+        assert_w_dot_x_hat(y, x, out_eps)
+        # the rows past the kernel's (prefill): bf16 / fp16 tiles of W with VNNI, the same kernel on AVX2
         tiled = kernels.quant_linear(x, *strips, group, bits, 0, 0, 4096, True)
+        if avx2:
+            assert torch.equal(tiled, y)
         ref = x.float() @ ref_w.T
         torch.testing.assert_close(tiled.float(), ref, atol=3e-2 * ref.abs().max().item(), rtol=3e-2)
     x32 = torch.randn(5, 576)
-    y32 = kernels.quant_linear(x32, *strips, group, bits, 256, 0, 4096, True)  # float32 x: dequantized tiles
-    torch.testing.assert_close(y32, x32 @ ref_w.T, atol=1e-4, rtol=1e-4)
+    y32 = kernels.quant_linear(x32, *strips, group, bits, 256, 0, 4096, True)
+    if avx2:  # float32 x quantized too
+        assert_w_dot_x_hat(y32, x32, 2**-20)
+        with pytest.raises(RuntimeError, match="int8 x"):
+            kernels.quant_linear(x32, *strips, group, bits, 256, 0, 4096, False)
+    else:  # float32 x: dequantized tiles
+        torch.testing.assert_close(y32, x32 @ ref_w.T, atol=1e-4, rtol=1e-4)
+
+
+def test_avx2_strip_kernel_matches_the_row_kernel():
+    """On AVX2 int4 strips and int4 rows are two layouts of one product: the same x quantized the same
+    way, the sums only reordered; every row count (decode, a verify step, prefill blocks of 4)."""
+    kernels = _kernels()
+    if not (kernels.vector_bits() == 256 and kernels.has_int8_activations()):
+        pytest.skip("the AVX2 build's kernels")
+    for coded, n, k in ((True, 96, 576), (False, 576, 1536), (True, 208, 64)):
+        q, s, z, f = _strip_weight(4, 32, coded, True, n=n, k=k)
+        strips = packing.to_strips(q, s, z, f, 4)
+        for rows in (1, 2, 5, 9, 70):
+            x = torch.randn(rows, k)
+            by_rows = kernels.quant_linear(x, q, s, z, f, 32, 4, 1 << 62, 1 << 62, 4096, True)
+            by_strips = kernels.quant_linear(x, *strips, 32, 4, 1 << 62, 1 << 62, 4096, True)
+            torch.testing.assert_close(by_strips, by_rows, atol=1e-5 * by_rows.abs().max().item(), rtol=1e-5)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -365,8 +401,8 @@ def test_strip_kernel_rows_do_not_depend_on_the_batch(bits):
     # Every row of x gets bitwise what a 1-row call gives it, whatever the rows around it: a verify
     # step (k + 1 rows of one request) scores what plain decoding would, and decode batches too.
     kernels = _kernels()
-    if not (kernels.vector_bits() == 512 and kernels.has_int8_activations()):
-        pytest.skip("the strips' kernels need AVX512-VNNI")
+    if not _strip_kernel_takes(kernels, bits):
+        pytest.skip("no strip kernel for this W here (AVX512-VNNI, or AVX2 for int4)")
     q, s, z, f = _strip_weight(bits, 32, bits == 4, False, n=208)
     args = (*packing.to_strips(q, s, z, f, bits), 32, bits, 256, 0, 4096, True)
     x = torch.randn(19, 576).bfloat16()
@@ -376,14 +412,20 @@ def test_strip_kernel_rows_do_not_depend_on_the_batch(bits):
 
 
 def test_strips_serve_a_quantized_layer():
-    """A bf16 layer on a CPU with VNNI and without AMX keeps W only as strips; its products, the
-    embedding lookup and the dense weight read them."""
+    """A bf16 layer on a CPU with VNNI and without AMX (or an int4 layer on AVX2) keeps W only as
+    strips; its products, the embedding lookup and the dense weight read them."""
     from kvserve.model.layers.linear import VocabEmbedding
-    from kvserve.model.quant.methods import int4
+    from kvserve.model.quant.methods import int4, int8
 
     kernels = _kernels()
-    if not (kernels.vector_bits() == 512 and kernels.has_int8_activations()) or kernels.has_amx():
-        pytest.skip("W is repacked as strips on VNNI CPUs without AMX")
+    if not _strip_kernel_takes(kernels, 4) or kernels.has_amx():
+        pytest.skip("W is repacked as strips on VNNI CPUs without AMX, and int4 W on AVX2")
+    if kernels.vector_bits() == 256:  # int8 W keeps its rows on AVX2 (its strips' w + 128 would saturate)
+        layer = VocabEmbedding(64, 96, torch.float32)
+        layer.set_method(int8(group=32))
+        layer.load_weight("weight", torch.randn(64, 96), None, "embed")
+        layer.method.finish_loading(layer)
+        assert layer.qweight.shape == (64, 96)
     torch.manual_seed(0)
     w = torch.randn(64, 96) * 0.1
     layer = VocabEmbedding(64, 96, torch.bfloat16)

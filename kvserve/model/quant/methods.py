@@ -9,7 +9,8 @@ of each output row, as float16 or as 8-bit codes (see packing.py for the layouts
     Q8_0/Q5_0/Q5_1/Q5_K (groups of 32) and Q6_K (groups of 16) as int8, all exact (gguf_blocks.py).
 On the CPU the C++ kernels in csrc/quant_linear.cpp apply it; elsewhere (or without a compiler)
 the weight is dequantized per call and multiplied with torch (correct, not fast). On a CPU with
-AVX512-VNNI and without AMX the loaded weight is repacked as strips (packing.to_strips) for them.
+AVX512-VNNI and without AMX, and for int4 on AVX2, the loaded weight is repacked as strips
+(packing.to_strips) for them.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def _max_mid_rows() -> int:
 
 
 def _few_rows(qweight: torch.Tensor, dtype: torch.dtype, int8_activations: bool) -> int:
-    """The few-row kernels' row limit for this stored W: the strips' own, else _max_fused_rows."""
+    """The few-row kernels' row limit for this stored W: the strips' own (VNNI; AVX2's strip kernel
+    takes every number of rows), else _max_fused_rows."""
     return _MAX_STRIP_ROWS if qweight.dim() == 3 else _max_fused_rows(dtype, int8_activations)
 
 
@@ -244,16 +246,19 @@ class GroupQuant(QuantMethod):
                 setattr(layer, name, tensor)
 
     def _strips_wanted(self, layer) -> bool:
-        """Whether to repack W as strips (packing.to_strips) for the few-row VNNI kernels: 16-bit
-        activations on a CPU with AVX512-VNNI and without AMX. AMX CPUs keep rows: their kernel past
-        the few rows (AMX tiles) reads W by rows. The strips' other paths (prefill, float32 x)
-        dequantize tiles of W for at::mm, as rows do."""
+        """Whether to repack W as strips (packing.to_strips) for the integer kernels: on a CPU with
+        AVX512-VNNI and without AMX for 16-bit activations (AMX CPUs keep rows: their kernel past the
+        few rows, AMX tiles, reads W by rows; the strips' other paths, prefill and float32 x,
+        dequantize tiles of W for at::mm, as rows do); on AVX2 for int4, whose strip kernel serves
+        every number of rows of x of any dtype."""
         kernels = load_quant_kernels()
-        return (self.int8_activations and kernels is not None and layer.qweight.device.type == "cpu"
-                and layer.dtype in (torch.bfloat16, torch.float16)
-                and kernels.vector_bits() == 512 and kernels.has_int8_activations()  # AVX512-VNNI
-                and not kernels.has_amx()
-                and layer.out_features % 16 == 0 and layer.in_features % 32 == 0 and self.layer_group(layer) % 32 == 0)
+        if not (self.int8_activations and kernels is not None and layer.qweight.device.type == "cpu"
+                and kernels.has_int8_activations()
+                and layer.out_features % 16 == 0 and layer.in_features % 32 == 0 and self.layer_group(layer) % 32 == 0):
+            return False
+        if kernels.vector_bits() == 256:
+            return self.bits == 4
+        return kernels.vector_bits() == 512 and not kernels.has_amx() and layer.dtype in (torch.bfloat16, torch.float16)
 
     def _rows(self, layer, rows: torch.Tensor | None = None):
         """(qweight, scales, zeros, factors) in the row-major layout: every row, or ``rows``."""

@@ -12,7 +12,8 @@
 // On CPUs with VNNI and without AMX, W may instead be repacked at load as strips of 16 output channels
 // (qweight [S, C, 256 or 512], see the strips' section), which a kernel of its own reads for up to a
 // few hundred rows of 16-bit x; past those rows, and for float32 x, tiles of W are dequantized for
-// at::mm as for rows.
+// at::mm as for rows. On AVX2 int4 W is repacked the same way; quant_linear_avx2.cpp's strip kernel
+// serves every number of rows there, x quantized to int8.
 //
 // Few rows of x (decode): a fused kernel reads each weight once and uses it for up to kFusedRows rows
 // of x; memory traffic is the packed weight only. Where the caller asks for quantized activations
@@ -820,40 +821,6 @@ void strip_rows(const QuantWeight& w, const StripX& x, int64_t s, T* y, int64_t 
   }
 }
 
-// f(begin, end) over [0, n) in pieces of `piece`: each thread streams its own contiguous share of W,
-// piece after piece, then takes what is left of the others' (a thread that another process delays
-// leaves its rest to the others). Handing out small pieces to whichever thread asked
-// (parallel_for_dynamic) cut each thread's stream at every piece, and with the software prefetch
-// running past each piece's end the default model's step was ~10% slower; one share per thread was
-// as fast as this but waits for a delayed thread.
-template <typename F>
-void parallel_for_streams(int64_t n, int64_t piece, const F& f) {
-  const int64_t threads = at::get_num_threads();
-  if (threads == 1 || n <= piece || omp_in_parallel()) {
-    f(0, n);
-    return;
-  }
-  const int64_t shares = std::min(threads, (n + piece - 1) / piece);
-  piece = std::max(piece, n / (8 * shares));  // a big W: fewer, larger pieces
-  struct alignas(64) Share {  // a line each: the threads' counters must not share one
-    std::atomic<int64_t> next;
-    int64_t end;
-  };
-  std::unique_ptr<Share[]> share(new Share[shares]);
-  for (int64_t t = 0; t < shares; ++t) {
-    share[t].next = n * t / shares;
-    share[t].end = n * (t + 1) / shares;
-  }
-#pragma omp parallel num_threads(static_cast<int>(shares))
-  {
-    const int64_t me = omp_get_thread_num();
-    for (int64_t i = 0; i < shares; ++i) {
-      Share& sh = share[(me + i) % shares];
-      for (int64_t a = sh.next.fetch_add(piece); a < sh.end; a = sh.next.fetch_add(piece)) f(a, std::min(sh.end, a + piece));
-    }
-  }
-}
-
 template <typename T, int BITS, bool CODED>
 at::Tensor strip_fused(const QuantWeight& w, const at::Tensor& x) {
   const int64_t m = x.size(0), chunks = w.k / 32, groups = w.groups(), strips = w.n / 16;
@@ -1266,13 +1233,15 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
                         int64_t tile_bytes, bool quantize_x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] matrix");
   const at::Tensor q = qweight.scalar_type() == at::kChar ? qweight.view(at::kByte) : qweight;
-  if (q.dim() == 3) {  // repacked as strips at load (CPUs with VNNI and without AMX)
-#if defined(KVSERVE_VNNI)
+  if (q.dim() == 3) {  // repacked as strips at load (VNNI without AMX; AVX2 for int4)
     const QuantWeight w = check_strips(q, scales, zeros, factors, group, bits);
     TORCH_CHECK(x.size(1) == w.k, "x has ", x.size(1), " features, the weight ", w.k);
+#if defined(KVSERVE_VNNI)
     return strip_linear(w, x, bits, quantize_x ? max_fused_rows : 0, tile_bytes);
 #else
-    TORCH_CHECK(false, "quant_linear: a weight packed as strips needs AVX512-VNNI");
+    TORCH_CHECK(quantize_x && strip_linear_avx2_supported(bits),
+                "quant_linear: a weight packed as strips needs AVX512-VNNI, or AVX2 with int4 W and int8 x");
+    return strip_linear_avx2(w, bits, x);
 #endif
   }
   const QuantWeight w = check_weight(q, scales, zeros, factors, group, bits);

@@ -44,8 +44,8 @@ constexpr int int_w_rows(int mb) { return mb <= 2 ? 4 : mb <= 4 ? 2 : 1; }
 // DRAM, which the hardware prefetcher alone did not keep up with; more rows ahead did no better.
 constexpr int64_t kPrefetchRows = 16;
 
-// Rows of W per parallel task: a second thread costs a wake-up that a small matrix never earns back,
-// so split only beyond ~256 KB of W, into equal tasks (not a full task and a sliver).
+// Rows of W per parallel task of a prefill call: split only beyond ~256 KB of W, into equal tasks (not
+// a full task and a sliver); decode cuts W its own way (int_linear).
 inline int64_t rows_per_task(int64_t rows, int64_t row_bytes) {
   const int64_t tasks = std::max<int64_t>(1, rows * row_bytes / (int64_t{1} << 18));
   return std::max<int64_t>(16, (rows + tasks - 1) / tasks);
@@ -261,7 +261,8 @@ at::Tensor int_linear(const QuantWeightRef& w, const at::Tensor& x) {
   const QuantizedX& xr = xq;
   at::Tensor y = at::empty({m, w.n}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
-  parallel_for_dynamic(0, w.n, rows_per_task(w.n, BITS == 4 ? w.k / 2 : w.k), [&](int64_t n0, int64_t n1) {
+  const int64_t row_bytes = BITS == 4 ? w.k / 2 : w.k;
+  const auto rows = [&](int64_t n0, int64_t n1) {
     // Several blocks of x (prefill): the task's rows' scales and zeros converted once, not once per
     // block; one block (decode) converts each row's as it reaches it, in L1 (converting the task's
     // rows first made decode ~20% slower).
@@ -275,8 +276,170 @@ at::Tensor int_linear(const QuantWeightRef& w, const at::Tensor& x) {
       with_few_rows<kIntRows>(std::min<int64_t>(kIntRows, m - m0), [&](auto mb) {
         int_rows<BITS, SPLIT, decltype(mb)::value>(w, group_of.data(), xr, m0, n0, n1, params.data(), converted, yp);
       });
+  };
+  if (m <= kIntRows) {
+    // Decode: both threads stream shares of W in pieces of ~32 KB, cut at blocks of 4 rows (int_rows'
+    // widest). Splitting only beyond 256 KB of W, as for prefill, left the default model's layers to
+    // one thread: its single stream decoded ~20% slower.
+    const int64_t quads = (w.n + 3) / 4;
+    parallel_for_streams(quads, std::max<int64_t>(1, (int64_t{1} << 15) / (4 * row_bytes)), [&](int64_t q0, int64_t q1) {
+      rows(4 * q0, std::min(w.n, 4 * q1));
+    });
+  } else {
+    parallel_for_dynamic(0, w.n, rows_per_task(w.n, row_bytes), rows);
+  }
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+
+// ---- int4 W repacked as strips (packing.to_strips; quant_linear.cpp's strips section) ---------------
+// A lane is an output channel, so neither the scales nor the sums cross lanes: W's 64-byte vector j of
+// chunk c holds channels 0-7 of the strip in its first 32 bytes and 8-15 in its second; each half is
+// multiplied with x's inputs 32c + 8j .. + 3 (low nibbles) and + 4 .. + 7 (high nibbles), broadcast.
+// A chunk's 8 int16 pair sums per lane add up in int16 (at most 8 * 2 * 15 * 127 = 30480) before one
+// vpmaddwd makes them int32, then one multiply-add applies the 8 channels' scales times dx. Against the
+// row-major kernel above this drops the per-row scale conversion, the blended per-lane scales and
+// every row's horizontal sum: the default model's decode step spent most of its kernel time there.
+struct StripXAvx2 {  // rows of x quantized for the strip kernel, each row at a stride of its own
+  const int8_t* q;     // [rows][k]: int8, natural order
+  const float* step;   // [rows][chunks]: dx of each chunk
+  const float* xsum;   // [rows][groups]: sum of dx * q over each group (the zero points' term)
+  int64_t k, chunks, groups;
+};
+
+// Row x (k values, a multiple of 32) quantized per chunk of 32 as quantize_row does it.
+template <typename T>
+void quantize_strip_row(const T* x, int64_t k, int64_t group, int8_t* q, float* step, float* xsum) {
+  std::fill(xsum, xsum + k / group, 0.f);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t c = 0; c < k / 32; ++c) {
+    __m256 v[4];
+    for (int j = 0; j < 4; ++j) v[j] = simd::load8(x + 32 * c + 8 * j);
+    const __m256 amax8 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                       _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    const float amax = simd::hmax8(amax8);
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    __m256i qi[4];
+    for (int j = 0; j < 4; ++j) qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));  // to nearest even
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * c), pack_bytes(qi[0], qi[1], qi[2], qi[3]));
+    step[c] = amax / 127.f;
+    xsum[32 * c / group] += step[c] * hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3])));
+  }
+}
+
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// 8 channels' scales (CODED: the codes) or zero points of group g of strip s, from channel 8 * half.
+template <bool CODED>
+inline __m256 strip_scales8(const QuantWeightRef& w, int64_t at) {
+  if (CODED) return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(w.scales) + at))));
+  return simd::load8(static_cast<const c10::Half*>(w.scales) + at);
+}
+template <bool CODED>
+inline __m256 strip_zeros8(const QuantWeightRef& w, int64_t at) {
+  if (CODED) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(w.zeros) + at))));
+  return simd::load8(static_cast<const c10::Half*>(w.zeros) + at);
+}
+
+// How far ahead (bytes) the strip kernel prefetches W into L1, as the VNNI strip kernel does.
+constexpr int64_t kStripPrefetchBytes = 4096;
+
+// Channels 16s + 8 half .. + 7 of W against MB rows of x, into y (float32, rows at ldy).
+template <bool CODED, int MB>
+void strip_half(const QuantWeightRef& w, const StripXAvx2& x, int64_t s, int half, float* y, int64_t ldy) {
+  const int64_t per_group = w.group / 32;
+  const uint8_t* ws = w.data + s * x.chunks * 256 + 32 * half;
+  const __m256i low4 = _mm256_set1_epi8(15);
+  __m256 acc[MB], zacc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = zacc[m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < x.groups; ++g) {
+    const int64_t at = (s * x.groups + g) * 16 + 8 * half;
+    const __m256 scale = strip_scales8<CODED>(w, at);
+    for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
+      const uint8_t* wc = ws + c * 256;
+      if (half == 0)  // the second half reads the same lines, from L1
+        for (int64_t line = 0; line < 256; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(wc + kStripPrefetchBytes + line), _MM_HINT_T0);
+      __m256i sum[MB];
+      for (int m = 0; m < MB; ++m) sum[m] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 64 * j));
+        const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        for (int m = 0; m < MB; ++m) {
+          const int8_t* xm = x.q + m * x.k + 32 * c + 8 * j;
+          sum[m] = _mm256_add_epi16(sum[m], _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xm)),
+                                                             _mm256_maddubs_epi16(hi, broadcast4(xm + 4))));
+        }
+      }
+      for (int m = 0; m < MB; ++m) {
+        const __m256 d = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[m], _mm256_set1_epi16(1)));
+        acc[m] = _mm256_fmadd_ps(d, _mm256_mul_ps(scale, _mm256_set1_ps(x.step[m * x.chunks + c])), acc[m]);
+      }
+    }
+    if (w.zeros) {
+      const __m256 zero = strip_zeros8<CODED>(w, at);
+      for (int m = 0; m < MB; ++m) zacc[m] = _mm256_fmadd_ps(zero, _mm256_set1_ps(x.xsum[m * x.groups + g]), zacc[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    __m256 out;
+    if (CODED) {
+      const float* f = w.factors + s * 32 + 8 * half;  // the strip's 16 scale steps, then its 16 zero steps
+      out = _mm256_fmadd_ps(acc[m], _mm256_loadu_ps(f), _mm256_mul_ps(zacc[m], _mm256_loadu_ps(f + 16)));
+    } else {
+      out = _mm256_add_ps(acc[m], zacc[m]);
+    }
+    _mm256_storeu_ps(y + m * ldy + 16 * s + 8 * half, out);
+  }
+}
+
+template <bool CODED, typename T>
+at::Tensor strip_linear(const QuantWeightRef& w, const at::Tensor& x) {
+  const int64_t m = x.size(0), chunks = w.k / 32, groups = w.k / w.group, strips = w.n / 16;
+  // The calling thread's buffers, reused across calls; the workers reach them through these pointers
+  // (a thread_local named inside a worker would be the worker's own).
+  thread_local simd::aligned_vector<int8_t> q_buf;
+  thread_local std::vector<float> step_buf, xsum_buf;
+  q_buf.resize(m * w.k), step_buf.resize(m * chunks), xsum_buf.resize(m * groups);
+  int8_t* q = q_buf.data();
+  float* step = step_buf.data();
+  float* xsum = xsum_buf.data();
+  const T* xp = x.data_ptr<T>();
+  auto quantize = [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      quantize_strip_row(xp + r * w.k, w.k, w.group, q + r * w.k, step + r * chunks, xsum + r * groups);
+  };
+  if (m <= kIntRows) quantize(0, m);  // decode: not worth waking the other threads
+  else parallel_for_dynamic(0, m, 16, quantize);
+  at::Tensor y = at::empty({m, w.n}, x.options().dtype(at::kFloat));
+  float* yp = y.data_ptr<float>();
+  // Each thread streams its share of the strips (pieces of ~32 KB of W); a strip's every block of
+  // x runs while the strip is in L1, so prefill also reads W once.
+  const int64_t strip_bytes = chunks * 256;
+  parallel_for_streams(strips, std::max<int64_t>(1, (int64_t{1} << 15) / strip_bytes), [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s)
+      for (int64_t m0 = 0; m0 < m; m0 += 4) {
+        const StripXAvx2 xs{q + m0 * w.k, step + m0 * chunks, xsum + m0 * groups, w.k, chunks, groups};
+        with_few_rows<4>(std::min<int64_t>(4, m - m0), [&](auto mb) {
+          for (int half = 0; half < 2; ++half) strip_half<CODED, decltype(mb)::value>(w, xs, s, half, yp + m0 * w.n, w.n);
+        });
+      }
   });
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+template <bool CODED>
+at::Tensor strip_linear_typed(const QuantWeightRef& w, const at::Tensor& x) {
+  switch (x.scalar_type()) {
+    case at::kFloat: return strip_linear<CODED, float>(w, x);
+    case at::kBFloat16: return strip_linear<CODED, c10::BFloat16>(w, x);
+    case at::kHalf: return strip_linear<CODED, c10::Half>(w, x);
+    default: TORCH_CHECK(false, "quant_linear: x must be float32, bfloat16 or float16");
+  }
 }
 
 }  // namespace
@@ -292,9 +455,21 @@ at::Tensor int_linear_avx2(const QuantWeightRef& w, int64_t bits, const at::Tens
   return split ? int_linear<8, true>(w, x) : int_linear<8, false>(w, x);
 }
 
+bool strip_linear_avx2_supported(int64_t bits) { return bits == 4; }
+
+at::Tensor strip_linear_avx2(const QuantWeightRef& w, int64_t bits, const at::Tensor& x) {
+  TORCH_CHECK(strip_linear_avx2_supported(bits), "strip_linear_avx2: int4 only");
+  return w.factors ? strip_linear_typed<true>(w, x) : strip_linear_typed<false>(w, x);
+}
+
 #else
 
 bool int_linear_avx2_supported(const QuantWeightRef&, int64_t) { return false; }
+bool strip_linear_avx2_supported(int64_t) { return false; }
+
+at::Tensor strip_linear_avx2(const QuantWeightRef&, int64_t, const at::Tensor&) {
+  TORCH_CHECK(false, "strip_linear_avx2: built without AVX2 (or with AVX-512)");
+}
 
 at::Tensor int_linear_avx2(const QuantWeightRef&, int64_t, const at::Tensor&) {
   TORCH_CHECK(false, "int_linear_avx2: built without AVX2 (or with AVX-512)");
