@@ -20,6 +20,9 @@
 //
 // Every row of x goes through the same instructions whatever the number of rows in the call, so a
 // speculative verify (k + 1 rows) gets for each row bitwise what a 1-row call gives it.
+//
+// int4 W repacked as strips at load (methods.py decides; the section at the end) has a kernel of its
+// own, with the same quantization of x; int8 W and W that cannot be cut into strips stay on the rows.
 #include "kernels.h"
 #include "quant_rows.h"
 #include "simd.h"
@@ -290,7 +293,6 @@ at::Tensor int_linear(const QuantWeightRef& w, const at::Tensor& x) {
   }
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
-
 
 // ---- int4 W repacked as strips (packing.to_strips; quant_linear.cpp's strips section) ---------------
 // A lane is an output channel, so neither the scales nor the sums cross lanes: W's 64-byte vector j of
