@@ -101,23 +101,29 @@ inline int32_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
 
+// 32 inputs v to int8 qi with the step amax / 127 (within +-127), rounded to nearest even; returns amax.
+inline float quantize32(const __m256* v, __m256i* qi) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 amax8 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                     _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  const float amax = simd::hmax8(amax8);
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  for (int j = 0; j < 4; ++j) qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+  return amax;
+}
+
 // Row r of x (k values, a multiple of 16) into its units (see QuantizedX) and its group sums.
 template <int BITS, typename T>
 void quantize_row(const T* x, int64_t k, int64_t group, QuantizedX& out, int64_t r) {
   float* xsum = out.xsum.data() + r * out.gpad;
   std::fill(xsum, xsum + out.gpad, 0.f);
-  const __m256 sign = _mm256_set1_ps(-0.f);
   const int64_t chunks_per_unit = BITS == 4 ? 2 : 1, block = r / kIntRows, i = r % kIntRows;
   for (int64_t c = 0; 32 * c < k; ++c) {
     const bool half = 32 * c + 32 > k;  // the last chunk of a row ending in half a chunk
     __m256 v[4];
     for (int j = 0; j < 4; ++j) v[j] = half && j >= 2 ? _mm256_setzero_ps() : simd::load8(x + 32 * c + 8 * j);
-    const __m256 amax8 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                       _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-    const float amax = simd::hmax8(amax8);
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
     __m256i qi[4];
-    for (int j = 0; j < 4; ++j) qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));  // to nearest even
+    const float amax = quantize32(v, qi);
     const __m256i bytes = pack_bytes(qi[0], qi[1], qi[2], qi[3]);
     const int64_t unit = (block * out.units + c / chunks_per_unit) * kIntRows + i, part = c % chunks_per_unit;
     int8_t* dst = out.q.data() + unit * out.unit_bytes;
@@ -313,16 +319,11 @@ struct StripXAvx2 {  // rows of x quantized for the strip kernel, each row at a 
 template <typename T>
 void quantize_strip_row(const T* x, int64_t k, int64_t group, int8_t* q, float* step, float* xsum) {
   std::fill(xsum, xsum + k / group, 0.f);
-  const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t c = 0; c < k / 32; ++c) {
     __m256 v[4];
     for (int j = 0; j < 4; ++j) v[j] = simd::load8(x + 32 * c + 8 * j);
-    const __m256 amax8 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                       _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-    const float amax = simd::hmax8(amax8);
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
     __m256i qi[4];
-    for (int j = 0; j < 4; ++j) qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));  // to nearest even
+    const float amax = quantize32(v, qi);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * c), pack_bytes(qi[0], qi[1], qi[2], qi[3]));
     step[c] = amax / 127.f;
     xsum[32 * c / group] += step[c] * hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3])));
