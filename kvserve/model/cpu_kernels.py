@@ -34,6 +34,7 @@ _SOURCES = [
     _MODEL / "layers" / "csrc" / "moe.cpp",
     _MODEL / "quant" / "csrc" / "quant_linear.cpp",
     _MODEL / "quant" / "csrc" / "quant_linear_avx2.cpp",
+    _MODEL / "quant" / "csrc" / "quant_embed.cpp",
     _MODEL / "attention" / "csrc" / "kv_write.cpp",
     _MODEL / "attention" / "csrc" / "paged_decode.cpp",
     _MODEL / "attention" / "csrc" / "paged_prefill.cpp",

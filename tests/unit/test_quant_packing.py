@@ -567,3 +567,21 @@ def test_vector_bits_names_the_build():
         assert not kernels.native_bf16() and not kernels.has_amx() and kernels.packed_linear_supported()
     if bits == 0:
         assert not kernels.packed_linear_supported()
+
+
+@pytest.mark.parametrize("bits, group, coded, zeros", [(4, 32, True, True), (4, 64, False, True), (4, 16, True, True),
+                                                       (8, 32, False, False), (8, 64, False, True), (8, 96, False, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quant_embed_is_the_dequantized_rows(bits, group, coded, zeros, dtype):
+    """The C++ embedding lookup gives bitwise the rows of packing.dequantize, from rows and from strips;
+    an id outside the table is an error, not a read past it."""
+    kernels = _kernels()
+    q, s, z, f = _strip_weight(bits, group, coded, zeros, n=64, k=192)
+    dense = packing.dequantize(q, s, z, bits, torch.float32, f).to(dtype)
+    ids = torch.tensor([[63, 0, 17], [17, 5, 40]])
+    assert torch.equal(kernels.quant_embed(q, s, z, f, bits, ids, dtype), dense[ids.reshape(-1)])
+    if group % 32 == 0:
+        strips = packing.to_strips(q, s, z, f, bits)
+        assert torch.equal(kernels.quant_embed(*strips, bits, ids, dtype), dense[ids.reshape(-1)])
+    with pytest.raises(RuntimeError, match="outside the table"):
+        kernels.quant_embed(q, s, z, f, bits, torch.tensor([64]), dtype)

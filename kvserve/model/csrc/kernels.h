@@ -157,6 +157,12 @@ std::unique_ptr<ExpertStrips> quant_strips(const at::Tensor& x, const at::Tensor
 std::unique_ptr<ExpertStrips> dense_strips(const at::Tensor& x, const at::Tensor& weight, int64_t max_fused_rows,
                                            const at::Tensor& y);
 
+// quant/csrc/quant_embed.cpp: rows `ids` of an int8 / int4 W (row-major or strips), dequantized into
+// `dtype` [ids, K], bitwise packing.py's dequantize.
+at::Tensor quant_embed(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
+                       const c10::optional<at::Tensor>& factors, int64_t bits, const at::Tensor& ids,
+                       at::ScalarType dtype);
+
 // quant/csrc/quant_linear_avx2.cpp: quant_linear's integer kernels on AVX2 (no AVX-512), on W as
 // quant_linear.cpp describes it (n rows of k inputs, a scale and zero point per group of inputs).
 struct QuantWeightRef {

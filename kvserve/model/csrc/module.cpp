@@ -18,6 +18,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_logprobs", &row_logprobs, "log-softmax at each row's target and its largest values (CPU)", no_gil);
   m.def("quant_linear", &quant_linear, "weight-only int8/int4 linear (CPU)", no_gil);
   m.def("dequantize", &dequantize, "dequantize an int8/int4 weight (CPU)", no_gil);
+  m.def("quant_embed", &quant_embed, "rows of an int8/int4 weight (row-major or strips), dequantized: an embedding lookup (CPU)",
+        py::arg("qweight"), py::arg("scales"), py::arg("zeros"), py::arg("factors"), py::arg("bits"), py::arg("ids"),
+        py::arg("dtype"), no_gil);
   m.def("dense_linear", &dense_linear, "x W^T for a dense bf16 weight that is not packed: fused loop for a few rows, else at::mm (CPU)", no_gil);
   m.def("has_amx", &has_amx, "AMX tiles usable in this process");
   m.def("vector_bits", &vector_bits, "the kernels' vector width: 512 (AVX-512), 256 (AVX2 + FMA + F16C) or 0 (scalar loops)");

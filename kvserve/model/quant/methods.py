@@ -358,6 +358,10 @@ class GroupQuant(QuantMethod):
         return packing.dequantize(q, scales, zeros, self.bits, dtype, factors)
 
     def embed(self, layer, ids: torch.Tensor) -> torch.Tensor:
+        kernels = load_quant_kernels() if layer.qweight.device.type == "cpu" else None
+        if kernels is not None:  # one call, bitwise the tensor ops below
+            rows = kernels.quant_embed(layer.qweight, layer.scales, layer.zeros, layer.factors, self.bits, ids, layer.dtype)
+            return rows.reshape(*ids.shape, layer.in_features)
         flat = ids.reshape(-1)
         if layer.qweight.dim() == 3:
             rows = packing.dequantize_strip_rows(layer.qweight, layer.scales, layer.zeros, layer.factors, self.bits,
