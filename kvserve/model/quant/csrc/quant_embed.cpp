@@ -7,6 +7,7 @@
 // after the product and after the sum (no fused multiply-add), with coded scales and zeros first
 // multiplied by their row's step, then converted to the output dtype.
 #include "kernels.h"
+#include "quant_rows.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
@@ -16,59 +17,56 @@
 
 namespace {
 
-// Where a weight and its row's parameters sit, by layout. v(n, i): the stored value of input i of row
-// n (int4 0..15, int8 -127..127); scale(n, g), zero(n, g): the stored parameter of group g (float16,
-// or a code); step(n, which): the row's factor for codes (0: scales, 1: zeros).
+// Where a weight sits, by layout. value(n, i): the stored value of input i of row n (int4 0..15, int8
+// -127..127); params(n, ...): row n's scales and zero points as floats (0 without zero points).
 struct Layout {
-  const uint8_t* q;
-  const void* scales;
-  const void* zeros;
-  const float* factors;
-  int64_t k, groups, bits;
-  bool strips, coded;
+  QuantWeightRef ref;  // n, k, group of the row-major W; data, scales, zeros, factors as stored
+  int64_t bits;
+  bool strips;
 
   int value(int64_t n, int64_t i) const {
-    const int64_t c = i / 32, r = i % 32;
+    const int64_t k = ref.k, c = i / 32, r = i % 32;
     if (!strips) {
-      if (bits == 8) return static_cast<int8_t>(q[n * k + i]);
-      const uint8_t b = q[n * (k / 2) + 16 * c + r % 16];
+      if (bits == 8) return static_cast<int8_t>(ref.data[n * k + i]);
+      const uint8_t b = ref.data[n * (k / 2) + 16 * c + r % 16];
       return r < 16 ? b & 15 : b >> 4;
     }
     const int64_t s = n / 16, lane = n % 16, chunks = k / 32;
     if (bits == 8)  // vector j = r / 4, byte r % 4, stored as w + 128
-      return static_cast<int>(q[(s * chunks + c) * 512 + (r / 4) * 64 + lane * 4 + r % 4]) - 128;
-    const uint8_t b = q[(s * chunks + c) * 256 + (r / 8) * 64 + lane * 4 + r % 4];  // vector j = r / 8
+      return static_cast<int>(ref.data[(s * chunks + c) * 512 + (r / 4) * 64 + lane * 4 + r % 4]) - 128;
+    const uint8_t b = ref.data[(s * chunks + c) * 256 + (r / 8) * 64 + lane * 4 + r % 4];  // vector j = r / 8
     return r % 8 < 4 ? b & 15 : b >> 4;
   }
-  int64_t param_at(int64_t n, int64_t g) const {
-    return strips ? (n / 16 * groups + g) * 16 + n % 16 : n * groups + g;
-  }
-  float step(int64_t n, int which) const {
-    return strips ? factors[(n / 16 * 2 + which) * 16 + n % 16] : factors[n * 2 + which];
-  }
-  float scale(int64_t n, int64_t g) const {
-    if (coded) return static_cast<float>(static_cast<const uint8_t*>(scales)[param_at(n, g)]) * step(n, 0);
-    return static_cast<float>(static_cast<const c10::Half*>(scales)[param_at(n, g)]);
-  }
-  float zero(int64_t n, int64_t g) const {
-    if (coded) return static_cast<float>(static_cast<const int8_t*>(zeros)[param_at(n, g)]) * step(n, 1);
-    return static_cast<float>(static_cast<const c10::Half*>(zeros)[param_at(n, g)]);
+
+  void params(int64_t n, float* scales, float* zeros) const {
+    if (!strips) return row_scales_zeros(ref, n, scales, zeros);  // the linears' own conversion
+    // Strips: group g of row n at [n / 16][g][n % 16], its code steps at [n / 16][0 or 1][n % 16].
+    const int64_t groups = ref.k / ref.group, lane = n % 16, base = n / 16 * groups * 16 + lane;
+    const float fs = ref.factors ? ref.factors[n / 16 * 32 + lane] : 0.f;
+    const float fz = ref.factors ? ref.factors[n / 16 * 32 + 16 + lane] : 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t at = base + 16 * g;
+      scales[g] = ref.factors ? static_cast<const uint8_t*>(ref.scales)[at] * fs
+                              : static_cast<float>(static_cast<const c10::Half*>(ref.scales)[at]);
+      zeros[g] = !ref.zeros ? 0.f
+                 : ref.factors ? static_cast<const int8_t*>(ref.zeros)[at] * fz
+                               : static_cast<float>(static_cast<const c10::Half*>(ref.zeros)[at]);
+    }
   }
 };
 
 template <typename T>
-void lookup(const Layout& w, const int64_t* ids, int64_t rows, int64_t n_rows, T* out) {
-  const int64_t group = w.k / w.groups;
+void lookup(const Layout& w, const int64_t* ids, int64_t rows, T* out) {
+  const int64_t k = w.ref.k, group = w.ref.group, groups = k / group;
+  std::vector<float> scales(groups), zeros(groups);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t n = ids[r];
-    TORCH_CHECK(n >= 0 && n < n_rows, "quant_embed: id ", n, " is outside the table's ", n_rows, " rows");
-    for (int64_t g = 0; g < w.groups; ++g) {
-      const float s = w.scale(n, g), z = w.zeros ? w.zero(n, g) : 0.f;
-      for (int64_t i = g * group; i < (g + 1) * group; ++i) {
-        // volatile: the product is rounded on its own, as torch's separate multiply rounds it
-        volatile float product = static_cast<float>(w.value(n, i)) * s;
-        out[r * w.k + i] = static_cast<T>(w.zeros ? product + z : static_cast<float>(product));
-      }
+    TORCH_CHECK(n >= 0 && n < w.ref.n, "quant_embed: id ", n, " is outside the table's ", w.ref.n, " rows");
+    w.params(n, scales.data(), zeros.data());
+    for (int64_t i = 0; i < k; ++i) {
+      // volatile: the product is rounded on its own, as torch's separate multiply rounds it
+      volatile float product = static_cast<float>(w.value(n, i)) * scales[i / group];
+      out[r * k + i] = static_cast<T>(w.ref.zeros ? product + zeros[i / group] : static_cast<float>(product));
     }
   }
 }
@@ -91,16 +89,17 @@ at::Tensor quant_embed(const at::Tensor& qweight, const at::Tensor& scales, cons
   if (coded) TORCH_CHECK(factors->is_contiguous() && factors->scalar_type() == at::kFloat && factors->numel() == 2 * n_rows,
                          "quant_embed: factors must be float32, two per row");
   const at::Tensor q = qweight.scalar_type() == at::kChar ? qweight.view(at::kByte) : qweight;
-  const Layout w{q.data_ptr<uint8_t>(), scales.data_ptr(), has_zeros ? zeros->data_ptr() : nullptr,
-                 coded ? factors->data_ptr<float>() : nullptr, k, groups, bits, strips, coded};
+  const Layout w{{q.data_ptr<uint8_t>(), scales.data_ptr(), has_zeros ? zeros->data_ptr() : nullptr,
+                  coded ? factors->data_ptr<float>() : nullptr, n_rows, k, k / groups},
+                 bits, strips};
   const at::Tensor flat = ids.reshape(-1).to(at::kLong).contiguous();
   const int64_t rows = flat.numel();
   at::Tensor out = at::empty({rows, k}, qweight.options().dtype(dtype));
   const int64_t* id = flat.data_ptr<int64_t>();
   switch (dtype) {
-    case at::kFloat: lookup(w, id, rows, n_rows, out.data_ptr<float>()); break;
-    case at::kBFloat16: lookup(w, id, rows, n_rows, out.data_ptr<c10::BFloat16>()); break;
-    case at::kHalf: lookup(w, id, rows, n_rows, out.data_ptr<c10::Half>()); break;
+    case at::kFloat: lookup(w, id, rows, out.data_ptr<float>()); break;
+    case at::kBFloat16: lookup(w, id, rows, out.data_ptr<c10::BFloat16>()); break;
+    case at::kHalf: lookup(w, id, rows, out.data_ptr<c10::Half>()); break;
     default: TORCH_CHECK(false, "quant_embed: the output must be float32, bfloat16 or float16");
   }
   return out;
