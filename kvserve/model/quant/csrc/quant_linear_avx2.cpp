@@ -276,7 +276,8 @@ at::Tensor int_linear(const QuantWeightRef& w, const at::Tensor& x) {
     // block; one block (decode) converts each row's as it reaches it, in L1 (converting the task's
     // rows first made decode ~20% slower).
     const bool converted = m > kIntRows;
-    std::vector<float> params((converted ? n1 - n0 : 4) * 2 * xr.gpad, 0.f);  // zero-padded per row
+    thread_local std::vector<float> params;  // the running thread's, reused across pieces and calls
+    params.assign((converted ? n1 - n0 : 4) * 2 * xr.gpad, 0.f);  // zero-padded per row
     for (int64_t n = n0; converted && n < n1; ++n) {
       float* row = params.data() + (n - n0) * 2 * xr.gpad;
       row_scales_zeros(w, n, row, row + xr.gpad);
