@@ -257,22 +257,25 @@ def test_paged_prefill_reads_strided_queries():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
 def test_verify_rows_are_bitwise_plain_decode_rows(dtype, heads, kv_heads, dim):
-    """A verify step hands the kernel each sequence's last token and proposals as rows sharing one
-    block table, with ``split_batch`` = the sequences: every row's output is bitwise what a plain
-    decode step of that row alone gives, so greedy verification emits plain decoding's tokens.
-    Sequences of 5, 1, 3 and 2 rows, some ending mid-chunk, some across a block."""
+    """A verify step hands the kernel each sequence's last token and proposals as rows sharing its
+    block table, with ``split_batch`` = the sequences: row j of every sequence must come out bitwise
+    as in the plain decode step of those sequences at that position, so greedy verification emits
+    plain decoding's tokens. One sequence (short, or long enough for a bf16 cache to be cut over the
+    threads) and two at once; lengths end mid-chunk and cross blocks."""
     kernels = load_cpu_kernels()
     if kernels is None:
         pytest.skip("C++ kernels could not be built on this machine")
     torch.manual_seed(0)
-    bs, seqs = 16, [(40, 5), (17, 1), (300, 3), (31, 2)]  # (first row's length, rows)
-    meta = _decode_meta([n + rows - 1 for n, rows in seqs], bs, num_blocks=64)
-    cache = (torch.randn(2, 64, bs, kv_heads, dim) * 2).to(dtype)
-    tables = torch.cat([meta.block_tables[i:i + 1].expand(rows, -1) for i, (_, rows) in enumerate(seqs)]).contiguous()
-    lens = torch.tensor([n + j for n, rows in seqs for j in range(rows)])
-    q = torch.randn(len(lens), heads, dim).to(dtype)
-    verify = kernels.paged_decode_attention(q, cache[0], cache[1], tables, lens, dim**-0.5, 0, 0, len(seqs))
-    for i in range(len(lens)):
-        alone = kernels.paged_decode_attention(q[i:i + 1].contiguous(), cache[0], cache[1], tables[i:i + 1].contiguous(),
-                                               lens[i:i + 1], dim**-0.5, 0, 0, 1)
-        assert torch.equal(verify[i], alone[0]), f"row {i}"
+    bs, rows = 16, 4
+    for firsts in ([40], [3001], [300, 31]):  # each sequence's length at its first verify row
+        meta = _decode_meta([n + rows - 1 for n in firsts], bs, num_blocks=sum(-(-n // bs) for n in firsts) + 8)
+        cache = (torch.randn(2, meta.block_tables.max().item() + 1, bs, kv_heads, dim) * 2).to(dtype)
+        tables = meta.block_tables.repeat_interleave(rows, dim=0).contiguous()
+        lens = torch.tensor([n + j for n in firsts for j in range(rows)])
+        q = torch.randn(len(lens), heads, dim).to(dtype)
+        verify = kernels.paged_decode_attention(q, cache[0], cache[1], tables, lens, dim**-0.5, 0, 0, len(firsts))
+        for j in range(rows):  # the plain step in which every sequence decodes its row j
+            pick = [i * rows + j for i in range(len(firsts))]
+            plain = kernels.paged_decode_attention(q[pick].contiguous(), cache[0], cache[1], meta.block_tables,
+                                                   lens[pick], dim**-0.5, 0, 0, 0)
+            assert torch.equal(verify[pick], plain), f"lengths {firsts}, row {j}"
