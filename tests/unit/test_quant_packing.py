@@ -420,7 +420,7 @@ def test_strips_serve_a_quantized_layer():
     kernels = _kernels()
     if not _strip_kernel_takes(kernels, 4) or kernels.has_amx():
         pytest.skip("W is repacked as strips on VNNI CPUs without AMX, and int4 W on AVX2")
-    if kernels.vector_bits() == 256:  # int8 W keeps its rows on AVX2 (its strips' w + 128 would saturate)
+    if kernels.vector_bits() == 256:  # int8 W keeps its rows on AVX2 (docs/cpu-kernels.md says why)
         layer = VocabEmbedding(64, 96, torch.float32)
         layer.set_method(int8(group=32))
         layer.load_weight("weight", torch.randn(64, 96), None, "embed")

@@ -22,7 +22,8 @@
 // speculative verify (k + 1 rows) gets for each row bitwise what a 1-row call gives it.
 //
 // int4 W repacked as strips at load (methods.py decides; the section at the end) has a kernel of its
-// own, with the same quantization of x; int8 W and W that cannot be cut into strips stay on the rows.
+// own, with the same quantization of x; int8 W (measured no faster as strips: docs/cpu-kernels.md)
+// and W that cannot be cut into strips stay on the rows.
 #include "kernels.h"
 #include "quant_rows.h"
 #include "simd.h"
