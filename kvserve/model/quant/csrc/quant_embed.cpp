@@ -41,17 +41,9 @@ struct Layout {
   void params(int64_t n, float* scales, float* zeros) const {
     if (!strips) return row_scales_zeros(ref, n, scales, zeros);  // the linears' own conversion
     // Strips: group g of row n at [n / 16][g][n % 16], its code steps at [n / 16][0 or 1][n % 16].
-    const int64_t groups = ref.k / ref.group, lane = n % 16, base = n / 16 * groups * 16 + lane;
-    const float fs = ref.factors ? ref.factors[n / 16 * 32 + lane] : 0.f;
-    const float fz = ref.factors ? ref.factors[n / 16 * 32 + 16 + lane] : 0.f;
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t at = base + 16 * g;
-      scales[g] = ref.factors ? static_cast<const uint8_t*>(ref.scales)[at] * fs
-                              : static_cast<float>(static_cast<const c10::Half*>(ref.scales)[at]);
-      zeros[g] = !ref.zeros ? 0.f
-                 : ref.factors ? static_cast<const int8_t*>(ref.zeros)[at] * fz
-                               : static_cast<float>(static_cast<const c10::Half*>(ref.zeros)[at]);
-    }
+    const int64_t groups = ref.k / ref.group, s = n / 16, lane = n % 16;
+    const float* steps = ref.factors ? ref.factors + s * 32 + lane : nullptr;
+    scales_zeros_at(ref, s * groups * 16 + lane, 16, steps ? steps[0] : 0.f, steps ? steps[16] : 0.f, scales, zeros);
   }
 };
 
