@@ -1,9 +1,11 @@
 """The server on the bundled default model: its real chat template, parity with the offline API,
-identical concurrent outputs, and aborts (streamed or not) that give the KV blocks back."""
+identical concurrent outputs, forced tool calls on a template without a tool format, and aborts
+(streamed or not) that give the KV blocks back."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -65,6 +67,29 @@ def test_16_concurrent_identical_greedy_requests(server, client):
     texts = asyncio.run(run())
     alone = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MESSAGES, **GREEDY)
     assert set(texts) == {alone.choices[0].message.content}
+
+
+def test_forced_tool_call_without_a_tool_format(client):
+    """The bundled model's template shows no tool format: a named call is held to the json list by
+    its grammar (and read back from it), streamed or not; ``auto`` has no format to read and is a 400."""
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"],
+              "additionalProperties": False}
+    kwargs = dict(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                  tools=[{"type": "function", "function": {"name": "get_weather", "parameters": params}}],
+                  temperature=0, max_tokens=40)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole = client.chat.completions.create(tool_choice=named, **kwargs).choices[0]
+    assert whole.finish_reason == "tool_calls" and len(whole.message.tool_calls) == 1
+    call = whole.message.tool_calls[0]
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+    streamed = ""
+    for chunk in client.chat.completions.create(tool_choice=named, stream=True, **kwargs):
+        for tc in chunk.choices[0].delta.tool_calls or []:
+            assert tc.index == 0 and tc.function.name in (None, "get_weather")
+            streamed += tc.function.arguments or ""
+    assert streamed == call.function.arguments
+    with pytest.raises(openai.BadRequestError, match="tool_choice required or a named function"):
+        client.chat.completions.create(tool_choice="auto", **kwargs)
 
 
 def test_streamed_text_is_whole_utf8_characters(client):

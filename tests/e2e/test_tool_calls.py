@@ -1,7 +1,8 @@
 """Tool calls through the official openai client, streamed and not, for each parser: tiny random
 models with the bundled BPE tokenizer and a chat template in each family's tool format (the
-parser is recognised from the template). ``tool_choice`` required or named is enforced by the
-parser's grammar, so even a random model's reply parses into calls whose arguments fit the schema."""
+parser is recognised from the template), and one whose template shows no tool format (``json``:
+forced calls only). ``tool_choice`` required or named is enforced by the parser's grammar, so even
+a random model's reply parses into calls whose arguments fit the schema."""
 
 from __future__ import annotations
 
@@ -51,6 +52,9 @@ TEMPLATES = {
                 "{% if m.role == 'user' %}[INST]{{ m.content }}[/INST]{% elif m.tool_calls %}[TOOL_CALLS]"
                 "{{ m.tool_calls | map(attribute='function') | list | tojson }}</s>{% else %}{{ m.content }}</s>"
                 "{% endif %}{% endfor %}"),
+    # no tool format at all: forced calls fall back to the json list, auto is refused
+    "json": ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
 }
 
 
@@ -117,8 +121,13 @@ def test_forced_calls_parse_streamed_and_not(family, choice):
 def test_auto_and_none(family):
     name, client = family
     kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, temperature=0, max_tokens=8)
-    auto = client.chat.completions.create(tool_choice="auto", **kwargs).choices[0]
     none = client.chat.completions.create(tool_choice="none", **kwargs).choices[0]
+    if name == "json":  # nothing says how this model would write a call of its own accord
+        with pytest.raises(openai.BadRequestError, match="--tool-call-parser.*tool_choice required"):
+            client.chat.completions.create(tool_choice="auto", **kwargs)
+        assert none.message.tool_calls is None and none.message.content
+        return
+    auto = client.chat.completions.create(tool_choice="auto", **kwargs).choices[0]
     # a random model's free text is content (it could in principle write a call; greedy here does not)
     assert auto.message.tool_calls is None and auto.finish_reason == "length"
     assert none.message.tool_calls is None and none.message.content

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from kvserve.entrypoints.openai.reasoning import ReasoningStream, ThinkParser
-from kvserve.entrypoints.openai.tool_parsers import ToolCallStream, make_parser, parser_for_template
+from kvserve.entrypoints.openai.tool_parsers import Parsed, ToolCallStream, make_parser, parser_for_template
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
              "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -26,6 +26,7 @@ REPLIES = {
     "pythonic": '[get_weather(city="Paris", days=2), now()]',
     "mistral": 'Let me look.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
                '{"name": "now", "arguments": {}}]',
+    "json": '[{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}, {"name": "now", "parameters": {}}]',
 }
 CALLS = [("get_weather", '{"city": "Paris", "days": 2}'), ("now", "{}")]
 
@@ -108,6 +109,15 @@ def test_broken_call_is_content_and_single_call_without_parallel():
     broken = '<tool_call>\n{"name": "now", "arguments": {"a": }\n</tool_call>'
     assert make_parser("hermes").parse(broken, final=True).content == broken
     assert _assembled(_stream("hermes", REPLIES["hermes"], parallel=False))[1] == CALLS[:1]
+
+
+def test_json_lists_that_are_not_calls_are_content():
+    parser = make_parser("json")
+    for text in ('[1, 2, 3]', '[{"city": "Paris"}]', 'Sure: [{"name": "now", "parameters": {}}]'):
+        assert parser.parse(text, final=True) == Parsed(text), text
+        assert _assembled(_stream("json", text)) == (text, []), text
+    broken = '[{"name": "now", "parameters": {"a": }}]'  # (a stream has sent the call's start by then)
+    assert parser.parse(broken, final=True) == Parsed(broken)
 
 
 def test_parser_chosen_from_template():

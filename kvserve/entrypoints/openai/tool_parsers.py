@@ -2,8 +2,9 @@
 
 One parser per model family (``--tool-call-parser``): ``hermes`` (Qwen2.5/3, Hermes:
 ``<tool_call>{json}</tool_call>``), ``llama3_json`` (Llama 3.1+: a bare ``{"name", "parameters"}``
-object, several joined by ``;``), ``pythonic`` (Llama 3.2/4: ``[f(a=1), g()]``) and ``mistral``
-(``[TOOL_CALLS][{...}, ...]``). Each reads a whole or partial output the same way, so a stream
+object, several joined by ``;``), ``pythonic`` (Llama 3.2/4: ``[f(a=1), g()]``), ``mistral``
+(``[TOOL_CALLS][{...}, ...]``), and ``json`` (``[{"name", "parameters"}, ...]``: forced calls on a
+model with none of these formats). Each reads a whole or partial output the same way, so a stream
 and a whole response agree: ``parse(text, final)`` gives the text outside calls that is safe to
 show (a partial marker is held back) and each call's name (once complete) and argument text so far.
 Each also writes a Lark grammar of its format for a given set of tools, which enforces
@@ -244,21 +245,21 @@ class Llama3JsonParser(ToolParser):
         return _json_calls_grammar(tools, "parameters", "", '"; "', "", ("", ""), parallel)
 
 
-class MistralParser(ToolParser):
-    """``[TOOL_CALLS]`` then a JSON list of calls. The marker is a special token in Mistral's own
-    tokenizers, which the detokenizer drops, so a reply that starts with the list counts too."""
+class _JsonListParser(ToolParser):
+    """``MARKER`` (if any) then a JSON list of call objects whose arguments sit under ``ARGS_KEY``."""
 
-    name = "mistral"
-    MARKER = "[TOOL_CALLS]"
+    MARKER, ARGS_KEY = "", "parameters"
 
     def parse(self, text: str, final: bool) -> Parsed:
-        at = text.find(self.MARKER)
+        at = text.find(self.MARKER) if self.MARKER else -1
         if at >= 0:
             content, start = text[:at].rstrip(), _skip_ws(text, at + len(self.MARKER))
         elif re.match(r'\s*\[\s*\{\s*"', text) or (not final and re.fullmatch(r'\s*\[?\s*\{?\s*"?', text)):
             content, start = "", _skip_ws(text, 0)
+        elif final:
+            return Parsed(text)
         else:
-            return Parsed(text if final else _held_back(text, self.MARKER))
+            return Parsed(_held_back(text, self.MARKER) if self.MARKER else text.rstrip())
         if start >= len(text):
             return Parsed(content)
         if text[start] != "[":
@@ -284,8 +285,24 @@ class MistralParser(ToolParser):
         return Parsed(content, calls)
 
     def grammar(self, tools: list[dict], parallel: bool) -> str:
-        return _json_calls_grammar(tools, "arguments", _lark_str(self.MARKER + "["), '", "', '"]"', ("", ""),
+        return _json_calls_grammar(tools, self.ARGS_KEY, _lark_str(self.MARKER + "["), '", "', '"]"', ("", ""),
                                    parallel)
+
+
+class MistralParser(_JsonListParser):
+    """``[TOOL_CALLS]`` then a JSON list of calls. The marker is a special token in Mistral's own
+    tokenizers, which the detokenizer drops, so a reply that starts with the list counts too."""
+
+    name = "mistral"
+    MARKER, ARGS_KEY = "[TOOL_CALLS]", "arguments"
+
+
+class JsonParser(_JsonListParser):
+    """The whole reply is a JSON list of ``{"name", "parameters"}`` objects: no model's own format,
+    but one any model can be held to. ``tool_choice`` required or a named function uses it on a model
+    whose chat template shows no format kvserve knows (its grammar enforces it, as vLLM does there)."""
+
+    name = "json"
 
 
 class PythonicParser(ToolParser):
@@ -410,7 +427,7 @@ def _literal(node: ast.AST):
 
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, PythonicParser,
-                                                             MistralParser)}
+                                                             MistralParser, JsonParser)}
 
 
 def parser_for_template(template: str | None) -> str | None:

@@ -3,7 +3,9 @@
 ``auto`` offers the tools through the chat template and parses whatever calls the reply makes;
 ``none`` neither offers nor parses them; ``required`` and a named function also offer them, and
 constrain the reply by the parser's grammar of a call to them (to the named one), so it always
-parses.
+parses. On a model whose chat template shows no tool-call format kvserve knows (and no
+``--tool-call-parser``), ``auto`` is a 400, since nothing says how the model writes a call; forced
+calls then take the ``json`` format, which their grammar alone makes the model write.
 """
 
 from __future__ import annotations
@@ -56,10 +58,11 @@ class ToolSetup:
         parser = None
         if choice != "none":
             name = parser_name or parser_for_template(getattr(tokenizer, "chat_template", None))
-            if name is None:
+            if name is None and choice == "auto":
                 raise bad_request("this model's chat template shows no tool-call format kvserve knows; start the "
-                                  "server with --tool-call-parser to say which", "tools")
-            parser = make_parser(name)
+                                  "server with --tool-call-parser to say which, or ask for tool_choice required "
+                                  "or a named function", "tools")
+            parser = make_parser(name or "json")
         return ToolSetup(tools, choice, req.parallel_tool_calls, parser)
 
     def forced_structure(self) -> Requested | None:
