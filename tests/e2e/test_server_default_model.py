@@ -1,6 +1,6 @@
 """The server on the bundled default model: its real chat template, parity with the offline API,
-identical concurrent outputs, forced tool calls on a template without a tool format, and aborts
-(streamed or not) that give the KV blocks back."""
+identical concurrent outputs, a continued final message, forced tool calls on a template without a
+tool format, and aborts (streamed or not) that give the KV blocks back."""
 
 from __future__ import annotations
 
@@ -67,6 +67,22 @@ def test_16_concurrent_identical_greedy_requests(server, client):
     texts = asyncio.run(run())
     alone = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MESSAGES, **GREEDY)
     assert set(texts) == {alone.choices[0].message.content}
+
+
+def test_continue_final_message_equals_offline_api(client, default_llm):
+    """vLLM's continue_final_message: the prompt ends inside the assistant's message (transformers'
+    rendering), and the reply continues it."""
+    messages = MESSAGES + [{"role": "assistant", "content": "The three colours are"}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    got = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, extra_body=extra, **GREEDY)
+    tokenizer = default_llm.get_tokenizer()
+    text = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert text.endswith("<|im_start|>assistant\nThe three colours are")
+    offline = default_llm.generate([tokenizer.encode(text, add_special_tokens=False)],
+                                   SamplingParams(max_tokens=16, temperature=0))[0].text
+    assert got.choices[0].message.content == offline != ""
+    with pytest.raises(openai.BadRequestError, match="last message to be the assistant's"):
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MESSAGES, extra_body=extra, **GREEDY)
 
 
 def test_forced_tool_call_without_a_tool_format(client):

@@ -11,8 +11,8 @@ from tests.conftest import make_tiny_model
 from tests.e2e.server import ServerProcess
 
 ENGINE_ARGS = ["--num-kv-blocks", "96", "--block-size", "8", "--max-model-len", "256", "--dtype", "float32"]
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-                 "{% if add_generation_prompt %}w3{% endif %}")
+CHAT_TEMPLATE = ("{% if greeting %}{{ greeting }} {% endif %}{% for m in messages %}{{ m['role'] }} {{ m['content'] }} "
+                 "{% endfor %}{% if add_generation_prompt %}w3{% endif %}")
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 

@@ -73,6 +73,9 @@ CHAT_ONLY = [
     ("messages", [{"role": "user", "content": "w5 " * 200_000}], 400),
     ("max_completion_tokens", 0, 400), ("max_completion_tokens", "4", 400), ("max_completion_tokens", 10**6, 400),
     ("top_logprobs", 5, 400), ("top_logprobs", 21, 400), ("logprobs", "x", 400), ("add_generation_prompt", 1, 400),
+    ("continue_final_message", True, 400), ("continue_final_message", "yes", 400),
+    ("chat_template_kwargs", [], 400), ("chat_template_kwargs", {"tokenize": True}, 400),
+    ("chat_template_kwargs", {"add_generation_prompt": False}, 400), ("chat_template_kwargs", {"tools": []}, 400),
 ]
 CASES = ([("/v1/completions", OK_COMPLETION, *c) for c in SHARED + COMPLETION_ONLY]
          + [("/v1/chat/completions", OK_CHAT, *c) for c in SHARED + CHAT_ONLY])
@@ -129,6 +132,17 @@ def test_keys(server):
     assert httpx.get(server.url("/metrics"), headers=AUTH, timeout=30).status_code == 200
     for path in ("/health", "/version", "/openapi.json", "/docs"):  # open, by choice: probes and the schema
         assert httpx.get(server.url(path), timeout=30).status_code == 200
+
+
+def test_chat_template_kwargs_reach_the_template(server):
+    """The control for the chat_template_kwargs 400s above: a variable of the template's own is taken."""
+    def prompt_tokens(**extra) -> int:
+        response = httpx.post(server.url("/v1/chat/completions"), json={**OK_CHAT, **extra}, headers=AUTH, timeout=30)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["prompt_tokens"]
+
+    assert prompt_tokens(chat_template_kwargs={"greeting": "w7 w8"}) > prompt_tokens(chat_template_kwargs={}) \
+        == prompt_tokens()
 
 
 # ---- issue 37's reproductions, each with what it gets now ------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from collections.abc import AsyncIterator
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from transformers import PreTrainedTokenizerBase
 
 from kvserve.entrypoints.openai import serving
 from kvserve.entrypoints.openai.errors import bad_request
@@ -25,6 +27,9 @@ from kvserve.types import RequestOutput, TokenLogprob
 
 # Engine field names as the chat API calls them, for 400s that name the right field.
 _RENAMES = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"}
+# apply_chat_template's own arguments: chat_template_kwargs passes template variables, not these.
+_TEMPLATE_ARGUMENTS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
+_TEMPLATE_ARGUMENTS -= {"self", "kwargs"}
 
 
 @dataclass
@@ -85,16 +90,22 @@ async def render_prompt(req: ChatCompletionRequest, info: ModelInfo, state: Serv
     if not getattr(info.tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     messages = [template_message(m) for m in req.messages]
-    kwargs = {"tools": tools.tools} if tools is not None and tools.offered else {}
+    extra = req.chat_template_kwargs or {}
+    if taken := sorted(_TEMPLATE_ARGUMENTS & extra.keys()):
+        raise bad_request(f"chat_template_kwargs cannot set {', '.join(taken)}: they are the request's own or the "
+                          "renderer's", "chat_template_kwargs")
+    kwargs = {**extra, "add_generation_prompt": req.add_generation_prompt,
+              "continue_final_message": req.continue_final_message}
+    if tools is not None and tools.offered:
+        kwargs["tools"] = tools.tools
     size = sum(len(m["content"] or "") for m in messages)
     serving.check_text(info, "".join(m["content"] or "" for m in messages), "messages")
     rendered: list[str] = []
 
     def render(tokenizer) -> list[int]:
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                                 add_generation_prompt=req.add_generation_prompt, **kwargs)
-        except jinja2.TemplateError as e:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+        except (jinja2.TemplateError, ValueError) as e:  # ValueError: the final message to continue is not there
             raise bad_request(f"messages do not fit the model's chat template: {e}", "messages") from None
         rendered.append(text)
         return tokenizer.encode(text, add_special_tokens=False)

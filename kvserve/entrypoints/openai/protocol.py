@@ -171,5 +171,19 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's extensions: end the prompt inside the last (assistant) message so the reply continues it,
+    # and further variables for the chat template (e.g. Qwen3's enable_thinking)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _continued_message(self) -> ChatCompletionRequest:
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise ValueError("continue_final_message needs add_generation_prompt false: the reply continues the "
+                                 "last message instead of starting a new one")
+            if self.messages[-1].role != "assistant":
+                raise ValueError("continue_final_message needs the last message to be the assistant's")
+        return self
 
