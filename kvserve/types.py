@@ -22,7 +22,7 @@ MIN_TOP_P = 1e-9
 MIN_TEMPERATURE = 1e-5
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-_INT_FIELDS = ("max_tokens", "top_k", "n")
+_INT_FIELDS = ("max_tokens", "min_tokens", "top_k", "n")
 MAX_SEED = 1 << 63  # seeds are taken modulo 2^63 by the sampler; a bound keeps the arithmetic cheap
 
 
@@ -76,13 +76,15 @@ class SamplingParams:
     Penalties follow vLLM: ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2]) subtract from
     the logits of tokens already generated; ``repetition_penalty`` (> 0, 1 disables) divides positive
     and multiplies negative logits of tokens seen in the prompt or the output. ``logit_bias`` adds
-    a bias in [-100, 100] to the given token ids. ``logprobs`` asks for the chosen token's log
+    a bias in [-100, 100] to the given token ids. ``min_tokens`` (vLLM's) holds back the model's EOS and
+    ``stop_token_ids`` until that many tokens are out, and stop strings until they are. ``logprobs`` asks for the chosen token's log
     probability plus that many likeliest alternatives (0 to 20) per generated token;
     ``prompt_logprobs`` the same for every prompt token after the first. ``structured_outputs``
     constrains the output to a JSON schema, regex, choice or grammar (a dict of those fields works too).
     """
 
     max_tokens: int = 16
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -137,6 +139,8 @@ class SamplingParams:
                 raise ValueError(f"{name}={value!r} must be an integer below 2^31")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} must be in [0, max_tokens={self.max_tokens}]")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
         if not 0 < self.top_p <= 1:

@@ -43,11 +43,13 @@ class IncrementalDetokenizer:
     prompt_token_ids: list[int]
     stop: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
+    min_tokens: int = 0  # stop strings count only once this many tokens are out (SamplingParams.min_tokens)
     text: str = ""
     stopped: bool = False
 
     def __post_init__(self) -> None:
         self._max_stop = max((len(s) for s in self.stop), default=0)
+        self._num_tokens = 0
         table = token_bytes_table(self.tokenizer, self.skip_special_tokens)
         context = self.prompt_token_ids[-_CONTEXT_TOKENS:]
         # Text that starts with the output (no prompt text before it) keeps the window: its first token
@@ -66,6 +68,7 @@ class IncrementalDetokenizer:
         """Feed new tokens; returns the newly decoded text (truncated at a stop string)."""
         if self.stopped:
             return ""
+        self._num_tokens += len(token_ids)
         if self._token_bytes is not None:
             # An id past the tokenizer's vocabulary (a model's padded rows) decodes to nothing, as in the Rust decode.
             table, n = self._token_bytes, len(self._token_bytes)
@@ -87,7 +90,7 @@ class IncrementalDetokenizer:
     def _append(self, delta: str) -> str:
         before = len(self.text)
         self.text += delta
-        if self.stop:
+        if self.stop and self._num_tokens > self.min_tokens:
             # A stop string may start in earlier text: search from max_stop - 1 chars back.
             search_from = max(0, before - self._max_stop + 1)
             hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]

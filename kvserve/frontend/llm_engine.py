@@ -84,7 +84,8 @@ class LLMEngine:
             # Siblings after the first fork its prompt KV (copy-on-write) instead of recomputing it.
             fork_of = None if i == 0 else f"{request_id}#0"
             req = self.core.add_request(seq_id, token_ids, child, priority=priority, fork_of=fork_of)
-            seq = _Sequence(req, IncrementalDetokenizer(self.tokenizer, token_ids, list(params.stop)))
+            seq = _Sequence(req, IncrementalDetokenizer(self.tokenizer, token_ids, list(params.stop),
+                                                        min_tokens=params.min_tokens))
             tracked.sequences.append(seq)
             self._sequences[seq_id] = (tracked, seq)
         self._tracked[request_id] = tracked

@@ -5,7 +5,8 @@ Semantics follow vLLM (and OpenAI for the first two):
   frequency:  logit -= frequency_penalty * count            count = times it was generated
   repetition: logit /= rp if logit > 0 else logit *= rp     if the token is in the prompt or output
   logit_bias: logit += bias[token]
-Only the rows that ask for any of these are touched; the others cost nothing.
+Only the rows that ask for any of these are touched; the others cost nothing. ``hold_back`` rules
+tokens out of a row altogether (min_tokens: a request's EOS and stop ids until enough are out).
 """
 
 from __future__ import annotations
@@ -73,3 +74,15 @@ def _logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     device = logits.device
     index = (torch.tensor(rows, device=device), torch.tensor(toks, device=device))
     return logits.index_put(index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
+
+
+def hold_back(logits: torch.Tensor, held_back: Sequence[list[int]], copy: bool) -> torch.Tensor:
+    """``logits`` [B, V] with row i's ``held_back[i]`` token ids at -inf (on a copy if ``copy``: the
+    caller's raw logits stay for logprobs); ``logits`` itself when no row holds any back."""
+    pairs = [(row, token) for row, tokens in enumerate(held_back) for token in tokens if token < logits.shape[-1]]
+    if not pairs:
+        return logits
+    out = logits.clone() if copy else logits
+    rows, tokens = zip(*pairs)
+    out[torch.tensor(rows, device=out.device), torch.tensor(tokens, device=out.device)] = float("-inf")
+    return out

@@ -7,8 +7,9 @@ needs a random number per vocabulary entry, which on a CPU costs a large share o
 generator keyed by (seed, tokens generated so far), so its samples do not depend on what else
 is in the batch, on preemption, or on earlier steps having run at all.
 
-Penalties and logit_bias (penalties.py) adjust the logits first, then structured outputs' token
-masks (grammar.py) rule out what a row's grammar forbids; logprobs are read from the raw
+Penalties and logit_bias (penalties.py) adjust the logits first, min_tokens rules out EOS and stop
+ids while too few tokens are out, then structured outputs' token masks (grammar.py) rule out what a
+row's grammar forbids; logprobs are read from the raw
 log-softmax, before penalties, masks and temperature, and only for the rows that ask.
 """
 
@@ -20,7 +21,7 @@ import torch
 
 from kvserve.model.cpu_kernels import load_kernels
 from kvserve.sample.grammar import apply_bitmask
-from kvserve.sample.penalties import apply_penalties
+from kvserve.sample.penalties import apply_penalties, hold_back
 from kvserve.types import SamplingParams, TokenLogprob
 
 _SEED_STRIDE = 1_000_003
@@ -38,6 +39,8 @@ class SamplingBatch:
     # Structured outputs: the allowed-token bitmask [len(masked_rows), words] of the constrained rows.
     bitmask: torch.Tensor | None = None
     masked_rows: list[int] = field(default_factory=list)
+    # Per row, the token ids it may not sample yet (min_tokens: EOS and stop ids); empty lists, or none at all.
+    held_back: list[list[int]] = field(default_factory=list)
 
     @property
     def all_greedy(self) -> bool:
@@ -71,6 +74,7 @@ class Sampler:
         # monotonic); penalties work on one, and the torch paths make their own.
         raw = logits.float() if any(p.needs_penalties for p in batch.params) else logits
         adjusted = apply_penalties(raw, batch.params, batch.prompt_token_ids, batch.output_token_ids)
+        adjusted = hold_back(adjusted, batch.held_back, copy=adjusted is raw)
         if batch.bitmask is not None:
             adjusted = apply_bitmask(adjusted, batch.bitmask, batch.masked_rows)
         tokens = self._sample(adjusted, batch)

@@ -29,6 +29,7 @@ class ScheduledRequest:
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     grammar: Any = None  # structured outputs: the request's GrammarMatcher, whose masks constrain sampling
+    eos_token_ids: tuple[int, ...] = ()  # the request's own (none with ignore_eos), held back by min_tokens
     # A hybrid model's KV groups 1.. (kv_cache/groups.py): their tables, as live as block_table (group 0's)
     group_block_tables: tuple[list[int], ...] = ()
 

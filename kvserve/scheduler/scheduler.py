@@ -236,6 +236,7 @@ class Scheduler:
             spec_token_ids=list(spec) if spec else [],
             spec_probs=None if not spec or request.spec_probs is None else request.spec_probs[:len(spec)],
             grammar=request.grammar,
+            eos_token_ids=request.eos_token_ids,
         )
 
     def update_after_step(self, out: SchedulerOutput, num_accepted: dict[str, int] | None = None) -> None:

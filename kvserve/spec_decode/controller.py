@@ -63,8 +63,10 @@ class SpeculativeController:
 
     def _eligible(self, r: Request) -> bool:
         params = r.sampling_params
-        # Penalties and logprobs depend on every earlier token; keep those requests on the plain path.
-        return not (params.needs_penalties or params.logprobs is not None or self._room(r) <= 0)
+        # Penalties and logprobs depend on every earlier token, and min_tokens on their count; keep those
+        # requests on the plain path (the last only until its tokens are out).
+        return not (params.needs_penalties or params.logprobs is not None or self._room(r) <= 0
+                    or len(r.output_token_ids) < params.min_tokens)
 
     def _room(self, r: Request) -> int:
         """Proposals that still fit before max_tokens and the context window."""

@@ -117,7 +117,8 @@ class ModelRunner:
         logits = self.model.compute_logits(self._rows_of(hidden, rows, meta))
         chosen = [batch[i] for i in rows]
         sampling = SamplingBatch([s.sampling_params for s in chosen], [s.num_generated for s in chosen],
-                                 [s.prompt_token_ids for s in chosen], [s.output_token_ids for s in chosen])
+                                 [s.prompt_token_ids for s in chosen], [s.output_token_ids for s in chosen],
+                                 held_back=[_held_back(s) for s in chosen])
         if bitmask is not None:
             sampling.masked_rows = [j for j, i in enumerate(rows) if i in mask_rows]
             if sampling.masked_rows:
@@ -307,6 +308,12 @@ class ModelRunner:
         parts = _to_device(host, self.device)  # one copy for every group
         return tuple(dataclasses.replace(meta, slot_mapping=slots, block_tables=tables, decode_block_tables=decode)
                      for slots, tables, decode in zip(parts[0::3], parts[1::3], parts[2::3]))
+
+
+def _held_back(s: ScheduledRequest) -> list[int]:
+    """The tokens ``s`` may not sample this step: its EOS and stop ids until min_tokens are out."""
+    params = s.sampling_params
+    return [*s.eos_token_ids, *params.stop_token_ids] if s.num_generated < params.min_tokens else []
 
 
 def _point_placeholders(batch: list[ScheduledRequest], rows: dict[str, int]) -> bool:

@@ -165,6 +165,16 @@ def test_stop_string_truncates(client):
     assert "".join(c.choices[0].text for c in streamed) == got.text
 
 
+def test_min_tokens_holds_back_stop_strings(client):
+    """vLLM's min_tokens over HTTP: a stop string counts only once that many tokens are out."""
+    free = client.completions.create(model="tiny", prompt="w30 w31", **GREEDY).choices[0].text
+    stop = [free.split()[1]]
+    early = client.completions.create(model="tiny", prompt="w30 w31", stop=stop, **GREEDY).choices[0]
+    held = client.completions.create(model="tiny", prompt="w30 w31", stop=stop,
+                                     **{**GREEDY, "extra_body": {"ignore_eos": True, "min_tokens": 24}}).choices[0]
+    assert early.finish_reason == "stop" and (held.finish_reason, held.text) == ("length", free)
+
+
 def test_chat_stream_is_openai_shaped(server):
     body = {"model": "tiny", "messages": [{"role": "system", "content": "w4"}, {"role": "user", "content": "w5"}],
             "max_tokens": 5, "temperature": 0, "stream": True, "ignore_eos": True,

@@ -114,6 +114,23 @@ def test_greedy_identical(tiny_llama, tiny_draft, method, k):
     assert_no_leak(fast)
 
 
+def test_min_tokens_identical_and_speculated_after(tiny_llama):
+    """A request speculates only once its min_tokens are out; its stop id is held back until then."""
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, max_batch_size=64)
+    prompts = _repetitive_prompts(6, seed=5)
+    free = [o.token_ids for o in _llm(tiny_llama).generate(prompts, SamplingParams(max_tokens=30, temperature=0,
+                                                                                   ignore_eos=True))]
+    # each stop id: a token the free output writes past where speculation starts, before its min_tokens
+    params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop_token_ids=[out[m - 2]], min_tokens=m)
+              for out, m in zip(free, (8, 12, 16, 20, 24, 28))]
+    plain = [o.token_ids for o in _llm(tiny_llama).generate(prompts, params)]
+    assert all(len(p) > m.min_tokens for p, m in zip(plain, params))
+    fast = _llm(tiny_llama, spec)
+    assert [o.token_ids for o in fast.generate(prompts, params)] == plain
+    assert fast.engine.core.spec.stats.accepted > 0
+    assert_no_leak(fast)
+
+
 def test_greedy_identical_under_preemption(tiny_qwen2):
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, max_batch_size=64)
     prompts = _repetitive_prompts(8, seed=3)

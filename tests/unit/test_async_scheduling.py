@@ -59,6 +59,16 @@ def test_stop_token_ids_and_stop_strings_match(llms):
     assert all(len(o[0][0]) <= 11 for o in stopped[:6])
 
 
+def test_min_tokens_holds_back_stops_the_same(llms):
+    prompts = random_prompts(6, 5, 40, seed=5)
+    free = _both(llms, prompts, SamplingParams(max_tokens=24, **GREEDY))
+    stop_id = free[0][0][0][2]  # the third token of the first output: held back until 8 tokens are out
+    params = [SamplingParams(max_tokens=24, stop_token_ids=[stop_id], logit_bias={stop_id: 100.0}, min_tokens=m,
+                             **GREEDY) for m in (0, 1, 8, 8, 23, 24)]
+    out = _both(llms, prompts, params)
+    assert [len(o[0][0]) for o in out] == [1, 2, 9, 9, 24, 24]
+
+
 def test_eos_ends_requests_the_same(tiny_llama, tmp_path):
     prompts = random_prompts(6, 5, 40, seed=3)
     probe = _llm(tiny_llama, False)

@@ -112,6 +112,26 @@ def test_table_is_read_back_from_the_cache_folder(tokenizer, tmp_path, monkeypat
         token_bytes_table.cache_clear()
 
 
+@pytest.mark.parametrize("general", [False, True])
+def test_stop_strings_wait_for_min_tokens(tokenizer, monkeypatch, general):
+    """A stop string that the first min_tokens tokens write does not count; a later one does."""
+    if general:
+        _general_path(monkeypatch)
+    ids = tokenizer.encode(" red, green, red, blue, red", add_special_tokens=False)
+    prompt = tokenizer.encode("Colours:", add_special_tokens=False)
+    second_red = ids.index(tokenizer.encode(" green", add_special_tokens=False)[0]) + 3  # tokens through the 2nd " red"
+
+    def text(min_tokens: int) -> str:
+        detok = IncrementalDetokenizer(tokenizer, prompt, [" red"], min_tokens=min_tokens)
+        for token in ids:
+            detok.add_tokens([token])
+        return detok.text
+
+    assert text(0) == ""
+    assert text(1) == " red, green,"
+    assert text(second_red) == " red, green, red, blue,"
+
+
 @pytest.mark.parametrize("chunk", [1, 3])
 def test_byte_level_path_streams_what_the_general_path_does(tokenizer, monkeypatch, chunk):
     """The same final text and stop; each step's text so far at least the general path's (which holds a

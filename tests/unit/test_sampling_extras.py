@@ -1,14 +1,15 @@
-"""Penalties, logit_bias and logprobs: the maths against a slow reference, and through the engine."""
+"""Penalties, logit_bias, min_tokens and logprobs: the maths against a slow reference, and through the engine."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.sample.penalties import apply_penalties
+from kvserve.sample.penalties import apply_penalties, hold_back
 from kvserve.sample.sampler import Sampler, SamplingBatch
 from tests.conftest import assert_no_leak
 
@@ -90,6 +91,9 @@ def test_logprobs_are_raw_log_softmax():
     (dict(logprobs=21), "logprobs"),
     (dict(logprobs=-1), "logprobs"),
     (dict(prompt_logprobs=50), "prompt_logprobs"),
+    (dict(min_tokens=-1), "min_tokens"),
+    (dict(min_tokens=17, max_tokens=16), "min_tokens"),
+    (dict(min_tokens=1.5), "min_tokens"),
 ])
 def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -122,6 +126,30 @@ def test_penalised_row_batched_equals_alone(tiny):
     batched = tiny.generate([[5, 6], [9, 10, 11], [7]], [plain, params, plain])
     assert batched[1].token_ids == alone
     assert batched[1].token_ids != tiny.generate([[9, 10, 11]], plain)[0].token_ids == [42] * 12
+    assert_no_leak(tiny)
+
+
+def test_hold_back_rules_tokens_out_of_its_rows_only():
+    logits = torch.randn(3, V)
+    assert hold_back(logits, [[], [], []], copy=True) is logits
+    held = hold_back(logits, [[1, 3], [], [V + 5]], copy=True)  # (an id past the vocabulary is no token)
+    assert torch.isneginf(held[0, [1, 3]]).all() and torch.equal(held[0, [0, 2]], logits[0, [0, 2]])
+    assert torch.equal(held[1:], logits[1:]) and not torch.isinf(logits).any()
+
+
+def test_min_tokens_holds_back_eos_and_stop_ids(tiny):
+    eos = tiny.engine.core.model_config.eos_token_ids[0]
+    to_eos = SamplingParams(max_tokens=10, temperature=0, logit_bias={eos: 100.0})
+    assert tiny.generate([[5, 6, 7]], to_eos)[0].token_ids == [eos]
+    for params in (dataclasses.replace(to_eos, min_tokens=4), dataclasses.replace(to_eos, min_tokens=4, temperature=1.0,
+                                                                                   seed=3)):
+        out = tiny.generate([[5, 6, 7]], params)[0]
+        assert len(out.token_ids) == 5 and out.token_ids[-1] == eos and eos not in out.token_ids[:4], out.token_ids
+        assert out.finish_reason == "stop"
+    to_42 = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop_token_ids=[42], logit_bias={42: 100.0})
+    assert tiny.generate([[5, 6, 7]], to_42)[0].token_ids == [42]
+    out = tiny.generate([[5, 6, 7]], dataclasses.replace(to_42, min_tokens=3))[0]
+    assert len(out.token_ids) == 4 and out.token_ids[-1] == 42 and 42 not in out.token_ids[:3]
     assert_no_leak(tiny)
 
 

@@ -77,6 +77,7 @@ class SamplingRequest(_Strict):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
+    min_tokens: int = Field(0, ge=0)  # vLLM's extension
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1)

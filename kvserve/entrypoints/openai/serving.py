@@ -68,7 +68,7 @@ def build_params(req: SamplingRequest, info: ModelInfo, max_tokens: int, logprob
     (``structure``: the request's structured-output constraint, compiled here by validate_params)."""
     try:
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+            max_tokens=max_tokens, min_tokens=req.min_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
             seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, n=req.n,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, logit_bias=_logit_bias(req.logit_bias),
