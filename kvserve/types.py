@@ -77,7 +77,9 @@ class SamplingParams:
     the logits of tokens already generated; ``repetition_penalty`` (> 0, 1 disables) divides positive
     and multiplies negative logits of tokens seen in the prompt or the output. ``logit_bias`` adds
     a bias in [-100, 100] to the given token ids. ``min_tokens`` (vLLM's) holds back the model's EOS and
-    ``stop_token_ids`` until that many tokens are out, and stop strings until they are. ``logprobs`` asks for the chosen token's log
+    ``stop_token_ids`` until that many tokens are out, and stop strings until they are;
+    ``include_stop_str_in_output`` keeps the stop string that ended the text, and
+    ``skip_special_tokens`` false writes special tokens (such as ``<|im_end|>``) into it. ``logprobs`` asks for the chosen token's log
     probability plus that many likeliest alternatives (0 to 20) per generated token;
     ``prompt_logprobs`` the same for every prompt token after the first. ``structured_outputs``
     constrains the output to a JSON schema, regex, choice or grammar (a dict of those fields works too).
@@ -93,6 +95,8 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -156,6 +160,9 @@ class SamplingParams:
             raise ValueError(f"stop={self.stop!r} must be non-empty strings")
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < 1 << 31 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n={self.n!r} must be an integer >= 1")
         self._validate_extras()

@@ -44,6 +44,7 @@ class IncrementalDetokenizer:
     stop: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
     min_tokens: int = 0  # stop strings count only once this many tokens are out (SamplingParams.min_tokens)
+    include_stop: bool = False  # the text keeps the stop string it ended on (include_stop_str_in_output)
     text: str = ""
     stopped: bool = False
 
@@ -93,9 +94,10 @@ class IncrementalDetokenizer:
         if self.stop and self._num_tokens > self.min_tokens:
             # A stop string may start in earlier text: search from max_stop - 1 chars back.
             search_from = max(0, before - self._max_stop + 1)
-            hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+            hits = [(i, len(s)) for i, s in ((self.text.find(s, search_from), s) for s in self.stop) if i >= 0]
             if hits:
-                self.text = self.text[:min(hits)]
+                at, length = min(hits)
+                self.text = self.text[:at + length if self.include_stop else at]
                 self.stopped = True
         return self.text[before:] if len(self.text) > before else ""
 

@@ -84,8 +84,9 @@ class LLMEngine:
             # Siblings after the first fork its prompt KV (copy-on-write) instead of recomputing it.
             fork_of = None if i == 0 else f"{request_id}#0"
             req = self.core.add_request(seq_id, token_ids, child, priority=priority, fork_of=fork_of)
-            seq = _Sequence(req, IncrementalDetokenizer(self.tokenizer, token_ids, list(params.stop),
-                                                        min_tokens=params.min_tokens))
+            seq = _Sequence(req, IncrementalDetokenizer(
+                self.tokenizer, token_ids, list(params.stop), skip_special_tokens=params.skip_special_tokens,
+                min_tokens=params.min_tokens, include_stop=params.include_stop_str_in_output))
             tracked.sequences.append(seq)
             self._sequences[seq_id] = (tracked, seq)
         self._tracked[request_id] = tracked

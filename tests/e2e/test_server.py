@@ -175,6 +175,17 @@ def test_min_tokens_holds_back_stop_strings(client):
     assert early.finish_reason == "stop" and (held.finish_reason, held.text) == ("length", free)
 
 
+def test_stop_string_kept_when_asked(client):
+    free = client.completions.create(model="tiny", prompt="w30 w31", **GREEDY).choices[0].text
+    stop = free.split()[3]
+    kept = {"ignore_eos": True, "include_stop_str_in_output": True}
+    got = client.completions.create(model="tiny", prompt="w30 w31", stop=[stop], **{**GREEDY, "extra_body": kept})
+    assert got.choices[0].finish_reason == "stop" and got.choices[0].text == free[:free.index(stop) + len(stop)]
+    streamed = client.completions.create(model="tiny", prompt="w30 w31", stop=[stop], stream=True,
+                                         **{**GREEDY, "extra_body": kept})
+    assert "".join(c.choices[0].text for c in streamed) == got.choices[0].text
+
+
 def test_chat_stream_is_openai_shaped(server):
     body = {"model": "tiny", "messages": [{"role": "system", "content": "w4"}, {"role": "user", "content": "w5"}],
             "max_tokens": 5, "temperature": 0, "stream": True, "ignore_eos": True,

@@ -132,6 +132,26 @@ def test_stop_strings_wait_for_min_tokens(tokenizer, monkeypatch, general):
     assert text(second_red) == " red, green, red, blue,"
 
 
+@pytest.mark.parametrize("general", [False, True])
+def test_stop_string_kept_and_special_tokens_written_when_asked(tokenizer, monkeypatch, general):
+    if general:
+        _general_path(monkeypatch)
+    ids = tokenizer.encode(" red, green<|im_end|> blue, red", add_special_tokens=False)
+    prompt = tokenizer.encode("Colours:", add_special_tokens=False)
+
+    def text(stop: list[str], **kwargs) -> str:
+        detok = IncrementalDetokenizer(tokenizer, prompt, stop, **kwargs)
+        for token in ids:
+            detok.add_tokens([token])
+        return detok.text
+
+    assert text([", g", " blue"]) == " red"
+    assert text([", g", " blue"], include_stop=True) == " red, g"
+    assert text([]) == " red, green blue, red"
+    assert text([], skip_special_tokens=False) == " red, green<|im_end|> blue, red"
+    assert text(["<|im_end|>"], skip_special_tokens=False, include_stop=True) == " red, green<|im_end|>"
+
+
 @pytest.mark.parametrize("chunk", [1, 3])
 def test_byte_level_path_streams_what_the_general_path_does(tokenizer, monkeypatch, chunk):
     """The same final text and stop; each step's text so far at least the general path's (which holds a

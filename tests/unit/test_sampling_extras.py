@@ -260,3 +260,12 @@ def test_logprobs_wider_than_the_vocabulary_return_all_of_it(path, monkeypatch):
     got = sampler_module.token_logprobs(logits, torch.tensor([1, 4]), [20, 3])
     assert [len(g.top) for g in got] == [5, 3]
     assert [t for t, _ in got[0].top] == logits[0].argsort(descending=True).tolist()
+
+
+def test_special_tokens_written_when_asked(tiny):
+    tokenizer = tiny.get_tokenizer()
+    special = next(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logit_bias={special: 100.0})
+    assert tiny.generate([[5, 6]], params)[0].text == ""
+    shown = tiny.generate([[5, 6]], dataclasses.replace(params, skip_special_tokens=False))[0]
+    assert shown.text.split() == [tokenizer.decode([special])] * 3

@@ -91,6 +91,8 @@ class SamplingRequest(_Strict):
     repetition_penalty: float = Field(1.0, gt=0, le=10)
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # vLLM's extensions, as SamplingParams has them
+    skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

@@ -70,6 +70,7 @@ def build_params(req: SamplingRequest, info: ModelInfo, max_tokens: int, logprob
         params = SamplingParams(
             max_tokens=max_tokens, min_tokens=req.min_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
             seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, n=req.n,
+            include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, logit_bias=_logit_bias(req.logit_bias),
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
