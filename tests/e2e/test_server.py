@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -184,6 +185,17 @@ def test_stop_string_kept_when_asked(client):
     streamed = client.completions.create(model="tiny", prompt="w30 w31", stop=[stop], stream=True,
                                          **{**GREEDY, "extra_body": kept})
     assert "".join(c.choices[0].text for c in streamed) == got.choices[0].text
+
+
+def test_unknown_fields_are_ignored_and_named_in_the_log(server, client):
+    body = {"model": "tiny", "prompt": "w5", "max_tokens": 2, "frobnicate": 1, "zz_unknown": {"a": 1}}
+    for _ in range(3):
+        assert httpx.post(server.url("/v1/completions"), json=body, timeout=30).status_code == 200
+    deadline = time.monotonic() + 10
+    while "frobnicate" not in server.log_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lines = [line for line in server.log_text().splitlines() if "frobnicate" in line]
+    assert len(lines) == 1 and "ignored: frobnicate, zz_unknown" in lines[0], lines
 
 
 def test_chat_stream_is_openai_shaped(server):

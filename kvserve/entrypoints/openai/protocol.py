@@ -1,7 +1,8 @@
 """Request schemas of the OpenAI API (the subset kvserve serves), validated by pydantic.
 
 Types are strict: a string where a number belongs is a 400 naming the field, not a silent cast.
-Unknown fields are ignored, as OpenAI-compatible servers commonly do. Every string must be valid
+Unknown fields are ignored, as OpenAI-compatible servers commonly do; a request's own top-level ones
+are kept (``model_extra``) so that the server can say which it ignored. Every string must be valid
 Unicode: JSON can spell a lone UTF-16 surrogate ("\\ud800"), which no tokenizer or response encoder
 takes (it made a 500 and a closed connection). Responses are plain dicts built by the endpoint
 modules (cheaper than models on the streaming path).
@@ -74,6 +75,8 @@ class StructuredOutputsField(_Strict):
 
 class SamplingRequest(_Strict):
     """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)

@@ -8,6 +8,7 @@ import concurrent.futures
 import contextlib
 import copy
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -22,6 +23,11 @@ from kvserve.entrypoints.openai.structured import Requested, as_api_error, is_st
 from kvserve.frontend.client import AsyncEngineClient, ModelInfo, RequestStream
 from kvserve.metrics.prometheus import PrometheusMetrics
 from kvserve.types import CompletionOutput, RequestOutput, SamplingParams, TokenLogprob
+
+logger = logging.getLogger("kvserve.server")
+# Ignored field names already logged, each once (bounded: a client inventing names cannot grow it without end).
+_IGNORED_SEEN: set[str] = set()
+_IGNORED_MAX = 1024
 
 
 @dataclass
@@ -66,6 +72,10 @@ def build_params(req: SamplingRequest, info: ModelInfo, max_tokens: int, logprob
                  structure: Requested | None = None) -> SamplingParams:
     """SamplingParams from the request; any engine ValueError becomes a 400 naming the API field
     (``structure``: the request's structured-output constraint, compiled here by validate_params)."""
+    new = sorted(set(req.model_extra or ()) - _IGNORED_SEEN)
+    if new and len(_IGNORED_SEEN) < _IGNORED_MAX:
+        _IGNORED_SEEN.update(new)
+        logger.warning("a request sent fields kvserve does not take, ignored: %s", ", ".join(new))
     try:
         params = SamplingParams(
             max_tokens=max_tokens, min_tokens=req.min_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
