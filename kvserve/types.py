@@ -79,7 +79,9 @@ class SamplingParams:
     a bias in [-100, 100] to the given token ids. ``min_tokens`` (vLLM's) holds back the model's EOS and
     ``stop_token_ids`` until that many tokens are out, and stop strings until they are;
     ``include_stop_str_in_output`` keeps the stop string that ended the text, and
-    ``skip_special_tokens`` false writes special tokens (such as ``<|im_end|>``) into it. ``logprobs`` asks for the chosen token's log
+    ``skip_special_tokens`` false writes special tokens (such as ``<|im_end|>``) into it.
+    ``truncate_prompt_tokens`` keeps only the prompt's last that many tokens (-1: as many as the
+    context window holds with room for one more). ``logprobs`` asks for the chosen token's log
     probability plus that many likeliest alternatives (0 to 20) per generated token;
     ``prompt_logprobs`` the same for every prompt token after the first. ``structured_outputs``
     constrains the output to a JSON schema, regex, choice or grammar (a dict of those fields works too).
@@ -105,6 +107,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputs | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -163,6 +166,9 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not (k == -1 or k >= 1)):
+            raise ValueError(f"truncate_prompt_tokens={k!r} must be -1 (the context window), a count >= 1, or None")
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n={self.n!r} must be an integer >= 1")
         self._validate_extras()
@@ -185,6 +191,10 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise ValueError("structured_outputs must be a StructuredOutputs (or a dict of its fields) or None")
 
+    def truncate(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as ``truncate_prompt_tokens`` leaves it (its last tokens; all of it if unset)."""
+        return truncate_prompt(prompt_token_ids, self.truncate_prompt_tokens, max_model_len)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
@@ -194,6 +204,15 @@ class SamplingParams:
         """True when the logits must be adjusted from this request's token history or logit_bias."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
                     or self.logit_bias)
+
+
+def truncate_prompt(prompt_token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """The last ``keep`` tokens of the prompt (-1: max_model_len - 1, the most that leaves room to
+    generate; None or a longer count: all of it)."""
+    if keep is None:
+        return prompt_token_ids
+    keep = max_model_len - 1 if keep == -1 else keep
+    return prompt_token_ids[-keep:] if len(prompt_token_ids) > keep else prompt_token_ids
 
 
 def _is_number(value) -> bool:

@@ -45,7 +45,7 @@ class LLM:
             try:
                 if isinstance(prompt, str) and not prompt:
                     raise ValueError("prompt is empty: give a non-empty string or token ids")
-                self.engine.core.validate_prompt(token_ids)
+                self.engine.core.validate_prompt(params[i].truncate(token_ids, self.engine.core.max_model_len))
                 self.engine.core.validate_params(params[i])
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None

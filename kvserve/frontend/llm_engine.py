@@ -73,7 +73,7 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         if text is not None and not text:
             raise ValueError("prompt is empty: give a non-empty string or token ids")
-        token_ids = self.encode(prompt) if text is not None else list(prompt)
+        token_ids = params.truncate(self.encode(prompt) if text is not None else list(prompt), self.core.max_model_len)
         self.core.validate_prompt(token_ids)
         self.core.validate_params(params)
         tracked = _Tracked(request_id, text, token_ids, [])

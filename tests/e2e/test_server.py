@@ -198,6 +198,25 @@ def test_unknown_fields_are_ignored_and_named_in_the_log(server, client):
     assert len(lines) == 1 and "ignored: frobnicate, zz_unknown" in lines[0], lines
 
 
+def test_truncate_prompt_tokens_keeps_the_prompt_tail(client):
+    long = [(7 * i) % 500 + 3 for i in range(300)]  # past the 256-token context window
+    with pytest.raises(openai.BadRequestError, match="context window"):
+        client.completions.create(model="tiny", prompt=long, max_tokens=2)
+    tail = client.completions.create(model="tiny", prompt=long[-20:], **GREEDY)
+    got = client.completions.create(model="tiny", prompt=long, **{**GREEDY, "extra_body": {
+        "ignore_eos": True, "truncate_prompt_tokens": 20}})
+    assert got.usage.prompt_tokens == 20 and got.choices[0].text == tail.choices[0].text
+    most = client.completions.create(model="tiny", prompt=long, max_tokens=1,
+                                     extra_body={"truncate_prompt_tokens": -1})
+    assert most.usage.prompt_tokens == 255
+    text = " ".join(f"w{i % 90 + 5}" for i in range(400))  # a text too long for the window, kept to its tail
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}], max_tokens=2,
+                                          extra_body={"truncate_prompt_tokens": 30})
+    assert chat.usage.prompt_tokens == 30
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+        client.completions.create(model="tiny", prompt="w5", max_tokens=2, extra_body={"truncate_prompt_tokens": 0})
+
+
 def test_chat_stream_is_openai_shaped(server):
     body = {"model": "tiny", "messages": [{"role": "system", "content": "w4"}, {"role": "user", "content": "w5"}],
             "max_tokens": 5, "temperature": 0, "stream": True, "ignore_eos": True,

@@ -269,3 +269,23 @@ def test_special_tokens_written_when_asked(tiny):
     assert tiny.generate([[5, 6]], params)[0].text == ""
     shown = tiny.generate([[5, 6]], dataclasses.replace(params, skip_special_tokens=False))[0]
     assert shown.text.split() == [tokenizer.decode([special])] * 3
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.5, True])
+def test_truncate_prompt_tokens_must_be_a_count(value):
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=value)
+
+
+def test_truncated_prompt_is_its_last_tokens(tiny):
+    long = [(7 * i) % 500 + 3 for i in range(300)]  # past the 256-token context window
+    with pytest.raises(ValueError, match="context window"):
+        tiny.generate([long], SamplingParams(max_tokens=4))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = tiny.generate([long[-20:]], params)[0]
+    got = tiny.generate([long], dataclasses.replace(params, truncate_prompt_tokens=20))[0]
+    assert (got.prompt_token_ids, got.token_ids) == (long[-20:], want.token_ids)
+    most = tiny.generate([long], dataclasses.replace(params, max_tokens=1, truncate_prompt_tokens=-1))[0]
+    assert most.prompt_token_ids == long[-255:]
+    assert SamplingParams(truncate_prompt_tokens=50).truncate(long[:10], 256) == long[:10]
+    assert_no_leak(tiny)

@@ -99,7 +99,8 @@ async def render_prompt(req: ChatCompletionRequest, info: ModelInfo, state: Serv
     if tools is not None and tools.offered:
         kwargs["tools"] = tools.tools
     size = sum(len(m["content"] or "") for m in messages)
-    serving.check_text(info, "".join(m["content"] or "" for m in messages), "messages")
+    if req.truncate_prompt_tokens is None:
+        serving.check_text(info, "".join(m["content"] or "" for m in messages), "messages")
     rendered: list[str] = []
 
     def render(tokenizer) -> list[int]:
@@ -110,8 +111,7 @@ async def render_prompt(req: ChatCompletionRequest, info: ModelInfo, state: Serv
         rendered.append(text)
         return tokenizer.encode(text, add_special_tokens=False)
 
-    ids = await serving.encode_text(state, render, size)
-    serving.check_prompt(info, ids, "messages")
+    ids = serving.checked_prompt(info, await serving.encode_text(state, render, size), req, "messages")
     return rendered[0], ids
 
 

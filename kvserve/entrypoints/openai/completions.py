@@ -36,7 +36,7 @@ async def create_completion(req: CompletionRequest, state: ServerState, request:
     model = resolve_model(req.model, state.model_names)
     info = state.client.ready_info()
     _reject_unsupported(req)
-    prompts = await tokenize_prompts(req.prompt, info, state)
+    prompts = await tokenize_prompts(req, info, state)
     longest = max(len(p) for p in prompts)
     max_tokens = serving.resolve_max_tokens(req.max_tokens, DEFAULT_MAX_TOKENS, longest, info, "prompt")
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
@@ -60,9 +60,11 @@ def _reject_unsupported(req: CompletionRequest) -> None:
         raise bad_request("echo with logprobs is not supported when streaming", "echo")
 
 
-async def tokenize_prompts(prompt, info: ModelInfo, state: ServerState) -> list[list[int]]:
+async def tokenize_prompts(req: CompletionRequest, info: ModelInfo, state: ServerState) -> list[list[int]]:
     """Normalise the four prompt forms (string, strings, token ids, lists of token ids) to token ids.
-    Every text is checked against the context window before any is tokenized."""
+    Every text is checked against the context window before any is tokenized, unless the request
+    truncates its prompts (then only the body's size limit bounds them)."""
+    prompt = req.prompt
     if isinstance(prompt, str):
         prompt = [prompt]
     elif prompt and all(isinstance(t, int) for t in prompt):
@@ -73,15 +75,15 @@ async def tokenize_prompts(prompt, info: ModelInfo, state: ServerState) -> list[
         if isinstance(p, str):
             if not p:
                 raise bad_request(f"prompt[{i}] is an empty string", "prompt")
-            serving.check_text(info, p, "prompt")
+            if req.truncate_prompt_tokens is None:
+                serving.check_text(info, p, "prompt")
     out = []
     for p in prompt:
         if isinstance(p, str):
             ids = await serving.encode_text(state, lambda tok, p=p: tok.encode(p, add_special_tokens=True), len(p))
         else:
             ids = list(p)
-        serving.check_prompt(info, ids, "prompt")
-        out.append(ids)
+        out.append(serving.checked_prompt(info, ids, req, "prompt"))
     return out
 
 

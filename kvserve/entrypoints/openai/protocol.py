@@ -81,6 +81,7 @@ class SamplingRequest(_Strict):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     min_tokens: int = Field(0, ge=0)  # vLLM's extension
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: keep the prompt's last k tokens (-1: all that fit)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1)
@@ -106,6 +107,13 @@ class SamplingRequest(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _not_zero(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("must be -1 (as many as the context window holds) or a count of tokens >= 1")
+        return value
 
     @property
     def include_usage(self) -> bool:

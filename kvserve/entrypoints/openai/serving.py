@@ -22,7 +22,7 @@ from kvserve.entrypoints.openai.protocol import SamplingRequest
 from kvserve.entrypoints.openai.structured import Requested, as_api_error, is_structure_error
 from kvserve.frontend.client import AsyncEngineClient, ModelInfo, RequestStream
 from kvserve.metrics.prometheus import PrometheusMetrics
-from kvserve.types import CompletionOutput, RequestOutput, SamplingParams, TokenLogprob
+from kvserve.types import CompletionOutput, RequestOutput, SamplingParams, TokenLogprob, truncate_prompt
 
 logger = logging.getLogger("kvserve.server")
 # Ignored field names already logged, each once (bounded: a client inventing names cannot grow it without end).
@@ -81,6 +81,7 @@ def build_params(req: SamplingRequest, info: ModelInfo, max_tokens: int, logprob
             max_tokens=max_tokens, min_tokens=req.min_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
             seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, n=req.n,
             include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, logit_bias=_logit_bias(req.logit_bias),
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
@@ -165,11 +166,15 @@ class TokenizerThread:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def check_prompt(info: ModelInfo, token_ids: list[int], param: str) -> None:
+def checked_prompt(info: ModelInfo, token_ids: list[int], req: SamplingRequest, param: str) -> list[int]:
+    """The prompt's token ids as the request's truncate_prompt_tokens leaves them, checked (a 400
+    naming ``param`` if the engine would refuse them)."""
+    token_ids = truncate_prompt(token_ids, req.truncate_prompt_tokens, info.max_model_len)
     try:
         info.validate_prompt(token_ids)
     except ValueError as e:
         raise bad_request(f"{param}: {e}", param) from None
+    return token_ids
 
 
 def submit_all(client: AsyncEngineClient, request_id: str, prompts: list[list[int]], params: SamplingParams,
