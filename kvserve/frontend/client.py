@@ -62,6 +62,7 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival: float  # time.perf_counter() when the HTTP layer submitted it
+    priority: int = 0  # lower runs first (the scheduler's order within the waiting queue)
 
 
 @dataclass(frozen=True)
@@ -270,7 +271,8 @@ class AsyncEngineClient:
         snapshot, admitted = self._published
         return snapshot.num_waiting + (self._submitted - admitted)
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               priority: int = 0) -> RequestStream:
         """Queue a request now; iterate the returned stream for its cumulative output.
 
         Raises EngineNotReadyError, EngineDeadError or QueueFullError at once, before queueing.
@@ -280,7 +282,7 @@ class AsyncEngineClient:
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
         self._submitted += params.n  # each of the n sequences waits for a slot
-        self._commands.put(AddRequest(request_id, prompt_token_ids, params, time.perf_counter()))
+        self._commands.put(AddRequest(request_id, prompt_token_ids, params, time.perf_counter(), priority))
         return stream
 
     def check_room(self, sequences: int) -> None:
@@ -427,7 +429,7 @@ class AsyncEngineClient:
             return False
         self._admitted += command.params.n
         try:
-            engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+            engine.add_request(command.request_id, command.prompt_token_ids, command.params, command.priority)
         except ValueError as e:
             self._to_loop(self._deliver_error, command.request_id, e)
             return False

@@ -398,3 +398,42 @@ def test_sigterm_finishes_in_flight_then_exits_zero(model_dir):
     assert proc.stop() == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(proc.url("/health"))
+
+
+def test_priority_orders_the_waiting_queue(model_dir):
+    """vLLM's priority field: with one running slot, of two waiting requests the lower value runs first,
+    though it arrived second."""
+    args = [str(model_dir), "--num-kv-blocks", "160", "--block-size", "8", "--max-model-len", "1024", "--dtype",
+            "float32", "--max-num-seqs", "1", "--served-model-name", "tiny"]
+    body = {"model": "tiny", "prompt": [5, 6], "ignore_eos": True, "temperature": 0}
+
+    async def waiting(proc, count: int) -> None:
+        deadline = time.monotonic() + 20
+        while proc.metric("kvserve:num_requests_waiting") != count:
+            assert time.monotonic() < deadline, f"never {count} waiting"
+            await asyncio.sleep(0.01)
+
+    async def run(proc) -> list[str]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            finished: list[str] = []
+
+            async def short(name: str, priority: int) -> None:
+                r = await http.post(proc.url("/v1/completions"), json={**body, "max_tokens": 4, "priority": priority})
+                assert r.status_code == 200, r.text
+                finished.append(name)
+
+            async with http.stream("POST", proc.url("/v1/completions"),
+                                   json={**body, "max_tokens": 1000, "stream": True}) as long:
+                assert long.status_code == 200
+                lines = long.aiter_lines()  # (kept: a dropped iterator closes the stream, which aborts it)
+                await anext(lines)  # it holds the one slot now
+                low = asyncio.create_task(short("low", 5))
+                await waiting(proc, 1)
+                high = asyncio.create_task(short("high", -5))
+                await waiting(proc, 2)
+            # leaving the stream aborts the long request: the two waiting ones run, high first
+            await asyncio.gather(low, high)
+            return finished
+
+    with ServerProcess(args) as proc:
+        assert asyncio.run(run(proc)) == ["high", "low"]

@@ -35,6 +35,7 @@ SHARED = [
     ("min_tokens", -1, 400), ("min_tokens", "3", 400), ("min_tokens", 3, 400),  # (3: above the request's max_tokens)
     ("include_stop_str_in_output", "yes", 400), ("skip_special_tokens", 0, 400),
     ("truncate_prompt_tokens", 0, 400), ("truncate_prompt_tokens", -2, 400), ("truncate_prompt_tokens", "5", 400),
+    ("priority", "1", 400), ("priority", 1.5, 400), ("priority", 1 << 40, 400),
     ("temperature", "hot", 400), ("temperature", -0.5, 400), ("temperature", 2.5, 400), ("temperature", [1], 400),
     ("top_p", 0, 400), ("top_p", -0.1, 400), ("top_p", 1.5, 400), ("top_p", "1", 400),
     ("top_k", -2, 400), ("top_k", 1.5, 400), ("top_k", "4", 400), ("top_k", 1 << 40, 400),

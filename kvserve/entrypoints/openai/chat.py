@@ -57,7 +57,7 @@ async def create_chat_completion(req: ChatCompletionRequest, state: ServerState,
     structure = _structure(req, tools, reasoning)
     params = serving.build_params(req, info, max_tokens, logprobs=logprobs, renames=_RENAMES, structure=structure)
     job = _Job(serving.new_id("chatcmpl"), model, int(time.time()), req, tools, reasoning)
-    streams = serving.submit_all(state.client, job.request_id, [prompt], params, request)
+    streams = serving.submit_all(state.client, job.request_id, [prompt], params, request, req.priority)
     text_of = state.token_text()
     if req.stream:
         return StreamingResponse(_stream(job, streams, text_of), media_type="text/event-stream")

@@ -43,7 +43,7 @@ async def create_completion(req: CompletionRequest, state: ServerState, request:
     params = serving.build_params(req, info, max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
                                   structure=requested_structure(req))
     job = _Job(serving.new_id("cmpl"), model, int(time.time()), prompts, req)
-    streams = serving.submit_all(state.client, job.request_id, prompts, params, request)
+    streams = serving.submit_all(state.client, job.request_id, prompts, params, request, req.priority)
     text_of = state.token_text()
     if req.stream:
         return StreamingResponse(_stream(job, streams, text_of), media_type="text/event-stream")

@@ -82,6 +82,7 @@ class SamplingRequest(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     min_tokens: int = Field(0, ge=0)  # vLLM's extension
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: keep the prompt's last k tokens (-1: all that fit)
+    priority: int = Field(0, gt=-(1 << 31), lt=1 << 31)  # vLLM's: lower is admitted (and kept) first
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1)

@@ -178,8 +178,9 @@ def checked_prompt(info: ModelInfo, token_ids: list[int], req: SamplingRequest, 
 
 
 def submit_all(client: AsyncEngineClient, request_id: str, prompts: list[list[int]], params: SamplingParams,
-               request: Request) -> list[RequestStream]:
-    """Queue one engine request per prompt; if any is refused (e.g. the queue is full), abort the rest.
+               request: Request, priority: int = 0) -> list[RequestStream]:
+    """Queue one engine request per prompt (``priority``: lower runs first); if any is refused (e.g.
+    the queue is full), abort the rest.
     Every one of the n sequences of every prompt counts against --max-queue."""
     streams: list[RequestStream] = []
     try:
@@ -190,7 +191,8 @@ def submit_all(client: AsyncEngineClient, request_id: str, prompts: list[list[in
                               f"{client.max_queue} (--max-queue)", "n")
         client.check_room(sequences)
         for i, ids in enumerate(prompts):
-            streams.append(client.submit(request_id if len(prompts) == 1 else f"{request_id}-{i}", ids, params))
+            streams.append(client.submit(request_id if len(prompts) == 1 else f"{request_id}-{i}", ids, params,
+                                         priority))
     except BaseException:
         close_all(streams)
         raise
