@@ -217,6 +217,32 @@ def test_truncate_prompt_tokens_keeps_the_prompt_tail(client):
         client.completions.create(model="tiny", prompt="w5", max_tokens=2, extra_body={"truncate_prompt_tokens": 0})
 
 
+def test_tokenize_counts_what_the_engine_sees_and_detokenize_inverts_it(server, client):
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(server.url(path), json=body, timeout=30)
+
+    prompt = "w30 w31 w32"
+    got = post("/tokenize", {"model": "tiny", "prompt": prompt}).json()
+    used = client.completions.create(model="tiny", prompt=prompt, max_tokens=1).usage.prompt_tokens
+    assert got["count"] == len(got["tokens"]) == used and got["max_model_len"] == 256
+    assert post("/detokenize", {"model": "tiny", "tokens": got["tokens"]}).json()["prompt"].endswith(prompt)
+    messages = [{"role": "user", "content": "w5 w6"}]
+    chat = post("/tokenize", {"model": "tiny", "messages": messages}).json()
+    assert chat["count"] == client.chat.completions.create(model="tiny", messages=messages,
+                                                           max_tokens=1).usage.prompt_tokens
+    long = post("/tokenize", {"prompt": "w5 " * 400}).json()  # counted though past the context window
+    assert long["count"] >= 400 > long["max_model_len"]
+    for path, body, status, field in [
+            ("/tokenize", {"prompt": "w5", "messages": messages}, 400, None),
+            ("/tokenize", {}, 400, None),
+            ("/tokenize", {"prompt": "w5", "model": "gpt-4"}, 404, "model"),
+            ("/detokenize", {"tokens": [5, 10**6]}, 400, "tokens"),
+            ("/detokenize", {"tokens": "w5"}, 400, "tokens")]:
+        response = post(path, body)
+        assert response.status_code == status and response.json()["error"]["message"], (body, response.text)
+        assert field is None or response.json()["error"]["param"] == field, response.text
+
+
 def test_chat_stream_is_openai_shaped(server):
     body = {"model": "tiny", "messages": [{"role": "system", "content": "w4"}, {"role": "user", "content": "w5"}],
             "max_tokens": 5, "temperature": 0, "stream": True, "ignore_eos": True,

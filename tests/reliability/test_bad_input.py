@@ -133,7 +133,10 @@ def test_keys(server):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}, {"Authorization": "Basic dXNlcjpwYXNz"}):
         for path in ("/v1/models", "/metrics"):
             check_error(httpx.get(server.url(path), headers=headers, timeout=30), 401, None)
+        for path in ("/tokenize", "/detokenize"):  # vLLM's paths, outside /v1
+            check_error(httpx.post(server.url(path), json={"tokens": [5]}, headers=headers, timeout=30), 401, None)
     assert httpx.get(server.url("/metrics"), headers=AUTH, timeout=30).status_code == 200
+    assert httpx.post(server.url("/detokenize"), json={"tokens": [5]}, headers=AUTH, timeout=30).status_code == 200
     for path in ("/health", "/version", "/openapi.json", "/docs"):  # open, by choice: probes and the schema
         assert httpx.get(server.url(path), timeout=30).status_code == 200
 

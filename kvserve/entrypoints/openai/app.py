@@ -22,10 +22,16 @@ from kvserve.entrypoints.openai.completions import create_completion
 from kvserve.entrypoints.openai.errors import error_response, install_error_handlers
 from kvserve.entrypoints.openai.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from kvserve.entrypoints.openai.models import list_models
-from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from kvserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from kvserve.entrypoints.openai.schema import install_openapi
 from kvserve.entrypoints.openai.serving import ClientDisconnected, ServerState
+from kvserve.entrypoints.openai.tokenize import detokenize, tokenize
 from kvserve.entrypoints.openai.tool_parsers import PARSERS as TOOL_PARSERS
 from kvserve.entrypoints.web import routes as web
 from kvserve.frontend.client import AsyncEngineClient, IncomingRequests
@@ -94,6 +100,16 @@ async def models(request: Request) -> JSONResponse:
     state = _state(request)
     info = state.client.info
     return JSONResponse(list_models(state.model_names, state.created, info.max_model_len if info else None))
+
+
+@plain.post("/tokenize")
+async def tokenize_route(req: TokenizeRequest, request: Request) -> JSONResponse:
+    return JSONResponse(await tokenize(req, _state(request)))
+
+
+@plain.post("/detokenize")
+async def detokenize_route(req: DetokenizeRequest, request: Request) -> JSONResponse:
+    return JSONResponse(await detokenize(req, _state(request)))
 
 
 @plain.get("/health")

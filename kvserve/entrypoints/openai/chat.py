@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from kvserve.entrypoints.openai import serving
 from kvserve.entrypoints.openai.errors import bad_request
 from kvserve.entrypoints.openai.models import resolve_model
-from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
 from kvserve.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningStream, ThinkParser
 from kvserve.entrypoints.openai.serving import ServerState, TokenText
 from kvserve.entrypoints.openai.structured import Requested, as_api_error, requested_structure
@@ -84,9 +84,19 @@ def _structure(req: ChatCompletionRequest, tools: ToolSetup | None, reasoning: T
 
 async def render_prompt(req: ChatCompletionRequest, info: ModelInfo, state: ServerState,
                         tools: ToolSetup | None = None) -> tuple[str, list[int]]:
+    """``render_messages``, with the messages' text checked against the context window first (unless
+    the request truncates its prompt) and the token ids after."""
+    if req.truncate_prompt_tokens is None:
+        serving.check_text(info, "".join(m.text() for m in req.messages), "messages")
+    text, ids = await render_messages(req, info, state, tools)
+    return text, serving.checked_prompt(info, ids, req, "messages")
+
+
+async def render_messages(req: ChatCompletionRequest | TokenizeRequest, info: ModelInfo, state: ServerState,
+                          tools: ToolSetup | None = None, add_special_tokens: bool = False) -> tuple[str, list[int]]:
     """The messages through the model's own chat template (with the tools, when the reply may call
-    them): the prompt text and its token ids (the template adds any BOS). Their text is checked
-    against the context window first; a long one is rendered off the event loop."""
+    them): the prompt text and its token ids (the template writes any BOS; ``add_special_tokens``
+    has the tokenizer add its own too). A long one is rendered off the event loop."""
     if not getattr(info.tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     messages = [template_message(m) for m in req.messages]
@@ -98,9 +108,6 @@ async def render_prompt(req: ChatCompletionRequest, info: ModelInfo, state: Serv
               "continue_final_message": req.continue_final_message}
     if tools is not None and tools.offered:
         kwargs["tools"] = tools.tools
-    size = sum(len(m["content"] or "") for m in messages)
-    if req.truncate_prompt_tokens is None:
-        serving.check_text(info, "".join(m["content"] or "" for m in messages), "messages")
     rendered: list[str] = []
 
     def render(tokenizer) -> list[int]:
@@ -109,9 +116,9 @@ async def render_prompt(req: ChatCompletionRequest, info: ModelInfo, state: Serv
         except (jinja2.TemplateError, ValueError) as e:  # ValueError: the final message to continue is not there
             raise bad_request(f"messages do not fit the model's chat template: {e}", "messages") from None
         rendered.append(text)
-        return tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    ids = serving.checked_prompt(info, await serving.encode_text(state, render, size), req, "messages")
+    ids = await serving.encode_text(state, render, sum(len(m["content"] or "") for m in messages))
     return rendered[0], ids
 
 

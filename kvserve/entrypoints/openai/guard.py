@@ -14,6 +14,7 @@ import json
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # --max-request-bytes
 BODY_TIMEOUT_S = 30.0  # the whole body must arrive within this, or the request gets 408
 _BODY_METHODS = ("POST", "PUT", "PATCH")
+TOKEN_PATHS = ("/tokenize", "/detokenize")  # vLLM's paths (not under /v1), behind the key all the same
 
 
 class RequestGuard:
@@ -24,7 +25,7 @@ class RequestGuard:
         self.app, self.api_key, self.max_bytes, self.protect_metrics = app, api_key, max_bytes, protect_metrics
 
     def protects(self, path: str) -> bool:
-        return self.api_key is not None and (path == "/v1" or path.startswith("/v1/")
+        return self.api_key is not None and (path == "/v1" or path.startswith("/v1/") or path in TOKEN_PATHS
                                              or (self.protect_metrics and path == "/metrics"))
 
     async def __call__(self, scope, receive, send) -> None:

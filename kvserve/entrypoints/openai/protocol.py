@@ -202,3 +202,27 @@ class ChatCompletionRequest(SamplingRequest):
                 raise ValueError("continue_final_message needs the last message to be the assistant's")
         return self
 
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's ``POST /tokenize``: a ``prompt`` (special tokens added unless asked not to) or chat
+    ``messages`` through the model's template (which writes its own), as the engine would see them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]

@@ -8,6 +8,8 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from kvserve.entrypoints.openai.guard import TOKEN_PATHS
+
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 ERROR_SCHEMA = {
     "type": "object", "required": ["error"],
@@ -36,7 +38,8 @@ def truthful_openapi(app: FastAPI, api_key: bool, metrics_require_key: bool) -> 
     if api_key:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     for path, operations in schema["paths"].items():
-        keyed = api_key and (path.startswith("/v1/") or (path == "/metrics" and metrics_require_key))
+        keyed = api_key and (path.startswith("/v1/") or path in TOKEN_PATHS
+                             or (path == "/metrics" and metrics_require_key))
         for method, op in operations.items():
             responses = op["responses"]
             responses.pop("422", None)
@@ -51,6 +54,8 @@ def truthful_openapi(app: FastAPI, api_key: bool, metrics_require_key: bool) -> 
                 responses["200"]["content"]["text/event-stream"] = {
                     "schema": {"type": "string", "description": "server-sent events (stream=true): 'data: "
                                "<chunk JSON>' lines, an error event if the request fails midway, then 'data: [DONE]'"}}
+            if path in TOKEN_PATHS:
+                codes += [404, 503]
             if path == "/metrics":
                 responses["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
             if path == "/health":
