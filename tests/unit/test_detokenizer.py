@@ -112,44 +112,38 @@ def test_table_is_read_back_from_the_cache_folder(tokenizer, tmp_path, monkeypat
         token_bytes_table.cache_clear()
 
 
+def _fed_one_by_one(tokenizer, output: str, stop: list[str], **kwargs) -> str:
+    """The text of ``output``'s tokens fed one at a time after a short prompt."""
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Colours:", add_special_tokens=False), stop, **kwargs)
+    for token in tokenizer.encode(output, add_special_tokens=False):
+        detok.add_tokens([token])
+    return detok.text
+
+
 @pytest.mark.parametrize("general", [False, True])
 def test_stop_strings_wait_for_min_tokens(tokenizer, monkeypatch, general):
     """A stop string that the first min_tokens tokens write does not count; a later one does."""
     if general:
         _general_path(monkeypatch)
-    ids = tokenizer.encode(" red, green, red, blue, red", add_special_tokens=False)
-    prompt = tokenizer.encode("Colours:", add_special_tokens=False)
+    output = " red, green, red, blue, red"
+    ids = tokenizer.encode(output, add_special_tokens=False)
     second_red = ids.index(tokenizer.encode(" green", add_special_tokens=False)[0]) + 3  # tokens through the 2nd " red"
-
-    def text(min_tokens: int) -> str:
-        detok = IncrementalDetokenizer(tokenizer, prompt, [" red"], min_tokens=min_tokens)
-        for token in ids:
-            detok.add_tokens([token])
-        return detok.text
-
-    assert text(0) == ""
-    assert text(1) == " red, green,"
-    assert text(second_red) == " red, green, red, blue,"
+    assert _fed_one_by_one(tokenizer, output, [" red"]) == ""
+    assert _fed_one_by_one(tokenizer, output, [" red"], min_tokens=1) == " red, green,"
+    assert _fed_one_by_one(tokenizer, output, [" red"], min_tokens=second_red) == " red, green, red, blue,"
 
 
 @pytest.mark.parametrize("general", [False, True])
 def test_stop_string_kept_and_special_tokens_written_when_asked(tokenizer, monkeypatch, general):
     if general:
         _general_path(monkeypatch)
-    ids = tokenizer.encode(" red, green<|im_end|> blue, red", add_special_tokens=False)
-    prompt = tokenizer.encode("Colours:", add_special_tokens=False)
-
-    def text(stop: list[str], **kwargs) -> str:
-        detok = IncrementalDetokenizer(tokenizer, prompt, stop, **kwargs)
-        for token in ids:
-            detok.add_tokens([token])
-        return detok.text
-
-    assert text([", g", " blue"]) == " red"
-    assert text([", g", " blue"], include_stop=True) == " red, g"
-    assert text([]) == " red, green blue, red"
-    assert text([], skip_special_tokens=False) == " red, green<|im_end|> blue, red"
-    assert text(["<|im_end|>"], skip_special_tokens=False, include_stop=True) == " red, green<|im_end|>"
+    output = " red, green<|im_end|> blue, red"
+    assert _fed_one_by_one(tokenizer, output, [", g", " blue"]) == " red"
+    assert _fed_one_by_one(tokenizer, output, [", g", " blue"], include_stop=True) == " red, g"
+    assert _fed_one_by_one(tokenizer, output, []) == " red, green blue, red"
+    assert _fed_one_by_one(tokenizer, output, [], skip_special_tokens=False) == " red, green<|im_end|> blue, red"
+    assert _fed_one_by_one(tokenizer, output, ["<|im_end|>"], skip_special_tokens=False,
+                           include_stop=True) == " red, green<|im_end|>"
 
 
 @pytest.mark.parametrize("chunk", [1, 3])

@@ -203,7 +203,6 @@ class ChatCompletionRequest(SamplingRequest):
         return self
 
 
-
 class TokenizeRequest(_Strict):
     """vLLM's ``POST /tokenize``: a ``prompt`` (special tokens added unless asked not to) or chat
     ``messages`` through the model's template (which writes its own), as the engine would see them."""

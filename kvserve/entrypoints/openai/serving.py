@@ -78,8 +78,8 @@ def build_params(req: SamplingRequest, info: ModelInfo, max_tokens: int, logprob
         logger.warning("a request sent fields kvserve does not take, ignored: %s", ", ".join(new))
     try:
         params = SamplingParams(
-            max_tokens=max_tokens, min_tokens=req.min_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-            seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, n=req.n,
+            max_tokens=max_tokens, min_tokens=req.min_tokens, temperature=req.temperature, top_p=req.top_p,
+            top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, n=req.n,
             include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
