@@ -150,7 +150,7 @@ class _RecordingEngine:
     def __init__(self) -> None:
         self.added: list[str] = []
 
-    def add_request(self, request_id, prompt_token_ids, params) -> None:
+    def add_request(self, request_id, prompt_token_ids, params, priority=0) -> None:
         self.added.append(request_id)
 
 
