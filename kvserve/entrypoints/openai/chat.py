@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from kvserve.entrypoints.openai import serving
 from kvserve.entrypoints.openai.errors import bad_request
 from kvserve.entrypoints.openai.models import resolve_model
-from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
+from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTemplateFields
 from kvserve.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningStream, ThinkParser
 from kvserve.entrypoints.openai.serving import ServerState, TokenText
 from kvserve.entrypoints.openai.structured import Requested, as_api_error, requested_structure
@@ -92,7 +92,7 @@ async def render_prompt(req: ChatCompletionRequest, info: ModelInfo, state: Serv
     return text, serving.checked_prompt(info, ids, req, "messages")
 
 
-async def render_messages(req: ChatCompletionRequest | TokenizeRequest, info: ModelInfo, state: ServerState,
+async def render_messages(req: ChatTemplateFields, info: ModelInfo, state: ServerState,
                           tools: ToolSetup | None = None, add_special_tokens: bool = False) -> tuple[str, list[int]]:
     """The messages through the model's own chat template (with the tools, when the reply may call
     them): the prompt text and its token ids (the template writes any BOS; ``add_special_tokens``

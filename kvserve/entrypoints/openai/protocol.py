@@ -178,7 +178,17 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatTemplateFields(BaseModel):
+    """How messages go through the chat template (chat completions and /tokenize). vLLM's extensions:
+    end the prompt inside the last (assistant) message so the reply continues it, and further
+    variables for the template (e.g. Qwen3's enable_thinking)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -186,11 +196,6 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # vLLM's extensions: end the prompt inside the last (assistant) message so the reply continues it,
-    # and further variables for the chat template (e.g. Qwen3's enable_thinking)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _continued_message(self) -> ChatCompletionRequest:
@@ -203,7 +208,7 @@ class ChatCompletionRequest(SamplingRequest):
         return self
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_Strict, ChatTemplateFields):
     """vLLM's ``POST /tokenize``: a ``prompt`` (special tokens added unless asked not to) or chat
     ``messages`` through the model's template (which writes its own), as the engine would see them."""
 
@@ -211,9 +216,6 @@ class TokenizeRequest(_Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
