@@ -1,6 +1,7 @@
 """The AVX2 kernels (KVSERVE_CPU_TARGET=avx2: 256-bit vectors, no bf16 arithmetic, no VNNI) on a
-CPU that also has AVX-512: the quantized-linear tests and the fused decode parity tests, run in a
-subprocess against a build for that target (a second build of the extension, cached like the first)."""
+CPU that also has AVX-512: the quantized-linear, decode attention and fused decode parity tests,
+run in a subprocess against a build for that target (a second build of the extension, cached like
+the first)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import pytest
 from kvserve.model.cpu_kernels import load_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
-# The kernel tests of the quantized linears, then the fused decoder against the eager model (bf16 and
-# float32 x, int4 / int8 weights, the bundled Q4_1 model, speculative verification through it).
+# The kernel tests of the quantized linears and of decode attention, then the fused decoder against
+# the eager model (bf16 and float32 x, int4 / int8 weights, the bundled Q4_1 model, speculative
+# verification through it).
 TESTS = [["tests/unit/test_quant_packing.py", "-k", "kernel or rows or activation or exact or vector_bits or strip"],
+         ["tests/unit/test_attention_backend.py", "-k", "kernel or verify"],
          ["tests/models/test_fused_decode.py"]]
 
 
