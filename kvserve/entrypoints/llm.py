@@ -40,18 +40,19 @@ class LLM:
         """
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
+        encoded = []  # each prompt's token ids, text encoded once here
         for i, prompt in enumerate(prompts):
-            token_ids = self.engine.encode(prompt) if isinstance(prompt, str) else prompt
             try:
                 if isinstance(prompt, str) and not prompt:
                     raise ValueError("prompt is empty: give a non-empty string or token ids")
-                self.engine.core.validate_prompt(params[i].truncate(token_ids, self.engine.core.max_model_len))
+                encoded.append(self.engine.encode(prompt) if isinstance(prompt, str) else list(prompt))
+                self.engine.core.validate_prompt(params[i].truncate(encoded[-1], self.engine.core.max_model_len))
                 self.engine.core.validate_params(params[i])
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
-        for rid, prompt, p in zip(ids, prompts, params):
-            self.engine.add_request(rid, prompt, p)
+        for rid, prompt, p, token_ids in zip(ids, prompts, params, encoded):
+            self.engine.add_request(rid, prompt, p, encoded=token_ids)
         return self._run(ids, use_tqdm if use_tqdm is not None else len(prompts) >= 16)
 
     def _run(self, ids: list[str], show_progress: bool) -> list[RequestOutput]:

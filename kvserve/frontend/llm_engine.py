@@ -66,14 +66,20 @@ class LLMEngine:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0) -> None:
-        """Tokenize (if text) and queue; raises ValueError for bad input, leaving the engine untouched."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
+                    encoded: list[int] | None = None) -> None:
+        """Tokenize (if text: unless ``encoded`` holds its ids already) and queue; raises ValueError for
+        bad input, leaving the engine untouched."""
         if request_id in self._tracked:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         if text is not None and not text:
             raise ValueError("prompt is empty: give a non-empty string or token ids")
-        token_ids = params.truncate(self.encode(prompt) if text is not None else list(prompt), self.core.max_model_len)
+        if text is None:
+            encoded = list(prompt)
+        elif encoded is None:
+            encoded = self.encode(text)
+        token_ids = params.truncate(encoded, self.core.max_model_len)
         self.core.validate_prompt(token_ids)
         self.core.validate_params(params)
         tracked = _Tracked(request_id, text, token_ids, [])

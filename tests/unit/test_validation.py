@@ -39,6 +39,20 @@ def test_bad_prompts_leave_engine_usable(tiny_llama):
     assert_no_leak(llm)
 
 
+def test_generate_encodes_each_text_prompt_once(tiny_llama):
+    """generate() checks every prompt before queuing any, and queues the ids it checked: the
+    tokenizer runs once per text prompt, and the request's prompt is those ids."""
+    llm = LLM(model=str(tiny_llama), num_kv_blocks=64, block_size=8, max_model_len=128)
+    texts = ["hello there", "a second, longer prompt to encode"]
+    calls = []
+    encode = llm.engine.tokenizer.encode
+    llm.engine.tokenizer.encode = lambda text, **kw: calls.append(text) or encode(text, **kw)
+    outs = llm.generate(texts, SamplingParams(max_tokens=2, temperature=0))
+    assert calls == texts
+    assert [o.prompt_token_ids for o in outs] == [encode(t, add_special_tokens=True) for t in texts]
+    assert_no_leak(llm)
+
+
 def test_unknown_model_path_and_architecture(tmp_path):
     with pytest.raises(ValueError, match="model="):
         LLM(model=str(tmp_path / "nope"))
