@@ -76,7 +76,8 @@ class SamplingParams:
     Penalties follow vLLM: ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2]) subtract from
     the logits of tokens already generated; ``repetition_penalty`` (> 0, 1 disables) divides positive
     and multiplies negative logits of tokens seen in the prompt or the output. ``logit_bias`` adds
-    a bias in [-100, 100] to the given token ids. ``min_tokens`` (vLLM's) holds back the model's EOS and
+    a bias in [-100, 100] to the given token ids, and ``allowed_token_ids`` (vLLM's) rules out every
+    token not in the list. ``min_tokens`` (vLLM's) holds back the model's EOS and
     ``stop_token_ids`` until that many tokens are out, and stop strings until they are;
     ``include_stop_str_in_output`` keeps the stop string that ended the text, and
     ``skip_special_tokens`` false writes special tokens (such as ``<|im_end|>``) into it.
@@ -104,6 +105,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -120,6 +122,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
+        if isinstance(self.allowed_token_ids, (list, tuple)):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self.validate()
         self._clamp_to_kernel_range()
 
@@ -184,6 +188,10 @@ class SamplingParams:
                 raise ValueError(f"logit_bias key {token!r} must be a non-negative token id")
             if not _is_number(bias) or not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias[{token}]={bias} must be in [-100, 100]")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (not isinstance(allowed, list) or not allowed or any(
+                not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < 1 << 31 for t in allowed)):
+            raise ValueError(f"allowed_token_ids={allowed!r} must be a non-empty list of token ids (or None)")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
@@ -201,9 +209,10 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
-        """True when the logits must be adjusted from this request's token history or logit_bias."""
+        """True when the logits must be adjusted from this request's token history, logit_bias or
+        allowed_token_ids."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-                    or self.logit_bias)
+                    or self.logit_bias or self.allowed_token_ids)
 
 
 def truncate_prompt(prompt_token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:

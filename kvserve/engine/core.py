@@ -243,11 +243,12 @@ class EngineCore:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:3]}")
 
     def validate_params(self, params: SamplingParams) -> None:
-        """Checks that need the model: logit_bias token ids must be in the vocabulary."""
+        """Checks that need the model: logit_bias and allowed_token_ids ids must be in the vocabulary."""
         vocab = self.model_config.vocab_size
-        bad = [t for t in (params.logit_bias or {}) if t >= vocab]
-        if bad:
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab}); got {bad[:3]}")
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} token ids must be in [0, {vocab}); got {bad[:3]}")
         if params.structured_outputs is not None:
             if self.grammars is None:
                 raise ValueError("structured_outputs needs the model's tokenizer: this engine was started without one")

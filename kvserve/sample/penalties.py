@@ -1,10 +1,12 @@
-"""Presence, frequency and repetition penalties and logit_bias, applied to a batch of logits at once.
+"""Presence, frequency and repetition penalties, logit_bias and allowed_token_ids, applied to a batch of
+logits at once.
 
 Semantics follow vLLM (and OpenAI for the first two):
   presence:   logit -= presence_penalty                     if the token was generated at all
   frequency:  logit -= frequency_penalty * count            count = times it was generated
   repetition: logit /= rp if logit > 0 else logit *= rp     if the token is in the prompt or output
   logit_bias: logit += bias[token]
+  allowed_token_ids: logit = -inf                          for every token not in the list
 Only the rows that ask for any of these are touched; the others cost nothing. ``hold_back`` rules
 tokens out of a row altogether (min_tokens: a request's EOS and stop ids until enough are out).
 """
@@ -25,13 +27,13 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], prom
     if not rows:
         return logits
     if len(rows) == len(params):  # every row: a copy (the raw logits stay for logprobs), no gather and scatter
-        return _logit_bias(_history_penalties(logits.clone(), list(params), list(prompt_token_ids),
-                                              list(output_token_ids)), list(params))
+        adjusted = _history_penalties(logits.clone(), list(params), list(prompt_token_ids), list(output_token_ids))
+        return _allowed_only(_logit_bias(adjusted, list(params)), list(params))
     chosen = [params[i] for i in rows]
     index = torch.tensor(rows, device=logits.device)
     sub = logits.index_select(0, index)
     sub = _history_penalties(sub, chosen, [prompt_token_ids[i] for i in rows], [output_token_ids[i] for i in rows])
-    sub = _logit_bias(sub, chosen)
+    sub = _allowed_only(_logit_bias(sub, chosen), chosen)
     return logits.index_copy(0, index, sub)
 
 
@@ -74,6 +76,20 @@ def _logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     device = logits.device
     index = (torch.tensor(rows, device=device), torch.tensor(toks, device=device))
     return logits.index_put(index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
+
+
+def _allowed_only(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """In place: -inf for every token outside each row's allowed_token_ids (rows without a list untouched)."""
+    rows = [(row, p.allowed_token_ids) for row, p in enumerate(params) if p.allowed_token_ids]
+    if not rows:
+        return logits
+    vocab, device = logits.shape[-1], logits.device
+    ruled_out = torch.ones(len(rows), vocab, dtype=torch.bool, device=device)
+    for i, (_, allowed) in enumerate(rows):
+        ruled_out[i, torch.tensor([t for t in allowed if t < vocab], dtype=torch.long, device=device)] = False
+    index = torch.tensor([row for row, _ in rows], device=device)
+    logits[index] = logits[index].masked_fill(ruled_out, float("-inf"))
+    return logits
 
 
 def hold_back(logits: torch.Tensor, held_back: Sequence[list[int]], copy: bool) -> torch.Tensor:

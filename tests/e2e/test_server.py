@@ -176,6 +176,21 @@ def test_min_tokens_holds_back_stop_strings(client):
     assert early.finish_reason == "stop" and (held.finish_reason, held.text) == ("length", free)
 
 
+def test_allowed_token_ids_over_http(server, client):
+    """vLLM's allowed_token_ids: the completion is made of those tokens only; a bad list is a 400."""
+    free = client.completions.create(model="tiny", prompt="w30 w31", **GREEDY).choices[0].text
+    allowed = httpx.post(server.url("/tokenize"), json={"model": "tiny", "prompt": "w77 w78", "add_special_tokens": False},
+                         timeout=30).json()["tokens"]
+    got = client.completions.create(model="tiny", prompt="w30 w31", **{**GREEDY, "extra_body": {
+        "ignore_eos": True, "allowed_token_ids": allowed}}).choices[0].text
+    assert got != free and set(got.split()) <= {"w77", "w78"}, got
+    with pytest.raises(openai.BadRequestError, match="allowed_token_ids"):
+        client.completions.create(model="tiny", prompt="w30", max_tokens=2, extra_body={"allowed_token_ids": []})
+    with pytest.raises(openai.BadRequestError, match="allowed_token_ids"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5"}], max_tokens=2,
+                                       extra_body={"allowed_token_ids": [10**6]})
+
+
 def test_stop_string_kept_when_asked(client):
     free = client.completions.create(model="tiny", prompt="w30 w31", **GREEDY).choices[0].text
     stop = free.split()[3]

@@ -94,6 +94,9 @@ def test_logprobs_are_raw_log_softmax():
     (dict(min_tokens=-1), "min_tokens"),
     (dict(min_tokens=17, max_tokens=16), "min_tokens"),
     (dict(min_tokens=1.5), "min_tokens"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[3, -1]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[2.0]), "allowed_token_ids"),
 ])
 def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -115,6 +118,36 @@ def test_logit_bias_forces_token_through_engine(tiny):
     out = tiny.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True,
                                                     logit_bias={42: 100.0}))[0]
     assert out.token_ids == [42] * 5
+
+
+def test_allowed_token_ids_rule_out_the_rest_of_their_row():
+    torch.manual_seed(0)
+    logits = torch.randn(3, V)
+    params = [SamplingParams(allowed_token_ids=[2, 5, V + 3]), SamplingParams(),
+              SamplingParams(allowed_token_ids=[7], logit_bias={7: -3.0, 1: 2.0})]
+    for chosen in (params, params[:1]):  # some rows (gathered) and every row
+        out = apply_penalties(logits, chosen, [[]] * len(chosen), [[]] * len(chosen))
+        assert torch.equal(out[0, [2, 5]], logits[0, [2, 5]]) and torch.isneginf(out[0]).sum() == V - 2
+    out = apply_penalties(logits, params, [[]] * 3, [[]] * 3)
+    assert torch.equal(out[1], logits[1]) and not torch.isinf(logits).any()
+    assert out[2, 7] == logits[2, 7] - 3 and torch.isneginf(out[2]).sum() == V - 1
+
+
+def test_allowed_token_ids_through_engine(tiny):
+    with pytest.raises(ValueError, match=r"allowed_token_ids.*\[0, 512\)"):
+        tiny.generate([[5, 6]], SamplingParams(allowed_token_ids=[3, 512]))
+    allowed = [11, 42, 300]
+    sampled = SamplingParams(max_tokens=16, temperature=1.0, seed=1, ignore_eos=True, allowed_token_ids=allowed)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outs = tiny.generate([[5, 6, 7], [9, 10]], [sampled, greedy])
+    assert set(outs[0].token_ids) <= set(allowed) and len(set(outs[0].token_ids)) > 1
+    assert outs[1].token_ids == tiny.generate([[9, 10]], greedy)[0].token_ids  # its neighbour row untouched
+    # greedy: the likeliest of the allowed tokens, which the raw logprobs rank
+    first = tiny.generate([[9, 10]], dataclasses.replace(greedy, max_tokens=1, logprobs=20))[0]
+    ranked = [token for token, _ in first.outputs[0].logprobs[0].top]
+    pick = tiny.generate([[9, 10]], dataclasses.replace(greedy, max_tokens=1, allowed_token_ids=ranked[3:1:-1]))[0]
+    assert pick.token_ids == [ranked[2]]
+    assert_no_leak(tiny)
 
 
 def test_penalised_row_batched_equals_alone(tiny):
