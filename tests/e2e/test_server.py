@@ -96,6 +96,28 @@ def test_stream_of_several_prompts_counts_each_choice_once(client):
     assert sorted(c.choices[0].index for c in content if c.choices[0].finish_reason) == list(range(6))
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats: each chunk's usage counts the prompts and the
+    completion tokens out so far, ending where the final usage chunk says; chat's role chunk too."""
+    running = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.completions.create(model="tiny", prompt=["w9 w10", "w11"], n=2, stream=True,
+                                            stream_options=running, **GREEDY))
+    *content, last = chunks
+    done = [c.usage.completion_tokens for c in content]
+    assert done == sorted(done) and done[0] >= 1 and done[-1] == last.usage.completion_tokens == 2 * 2 * 24
+    assert {c.usage.prompt_tokens for c in chunks} == {last.usage.prompt_tokens}
+    chat = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5"}], stream=True,
+                                               stream_options=running, **GREEDY))
+    role, *content, last = chat
+    assert role.choices[0].delta.role == "assistant" and role.usage.completion_tokens == 0
+    assert content[-1].usage.completion_tokens == last.usage.completion_tokens == 24
+    assert {c.usage.prompt_tokens for c in chat} == {last.usage.prompt_tokens}
+    plain = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5"}], stream=True,
+                                                stream_options={"include_usage": True, "continuous_usage_stats": False},
+                                                **GREEDY))
+    assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 24
+
+
 def test_async_client_streaming_and_not(server):
     async def run():
         aclient = openai.AsyncOpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0)

@@ -60,7 +60,7 @@ async def create_chat_completion(req: ChatCompletionRequest, state: ServerState,
     streams = serving.submit_all(state.client, job.request_id, [prompt], params, request, req.priority)
     text_of = state.token_text()
     if req.stream:
-        return StreamingResponse(_stream(job, streams, text_of), media_type="text/event-stream")
+        return StreamingResponse(_stream(job, streams, text_of, len(prompt)), media_type="text/event-stream")
     out = (await serving.results_unless_disconnected(request, streams))[0]
     return JSONResponse(_response(job, out, text_of))
 
@@ -211,7 +211,7 @@ class _ChoiceStream:
         return self.tools is not None and self.tools.has_calls
 
 
-def _stream(job: _Job, streams, text_of: TokenText) -> AsyncIterator[str]:
+def _stream(job: _Job, streams, text_of: TokenText, prompt_tokens: int) -> AsyncIterator[str]:
     """OpenAI's chat stream: a role delta first, then reasoning, content or tool-call deltas, a
     closing chunk with finish_reason. Logprobs ride on the chunks of the tokens they belong to."""
     tracker = serving.DeltaTracker()
@@ -235,7 +235,8 @@ def _stream(job: _Job, streams, text_of: TokenText) -> AsyncIterator[str]:
         return {**_chunk(job, 0, {}), "choices": [], "usage": serving.output_usage(final)}
 
     roles = [_chunk(job, index, {"role": "assistant", "content": ""}) for index in range(job.req.n)]
-    return serving.event_stream(streams, chunks_for, roles, usage if job.req.include_usage else None)
+    return serving.event_stream(streams, chunks_for, roles, usage if job.req.include_usage else None,
+                                prompt_tokens if job.req.continuous_usage else None)
 
 
 def _chunk(job: _Job, index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> dict:

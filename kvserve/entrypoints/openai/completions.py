@@ -137,7 +137,9 @@ def _stream(job: _Job, streams, text_of: TokenText) -> AsyncIterator[str]:
     def usage(final: list[RequestOutput]) -> dict:
         return _chunk(job, [], serving.output_usage(final))
 
-    return serving.event_stream(streams, chunks_for, usage_chunk=usage if job.req.include_usage else None)
+    running = sum(len(p) for p in job.prompts) if job.req.continuous_usage else None
+    return serving.event_stream(streams, chunks_for, usage_chunk=usage if job.req.include_usage else None,
+                                running_prompt_tokens=running)
 
 
 def _delta_chunk(job: _Job, out: RequestOutput, index: int, delta: serving.Delta, text_of: TokenText) -> dict | None:

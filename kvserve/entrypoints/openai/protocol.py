@@ -47,6 +47,7 @@ def _valid_text(value) -> bool:
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, the usage so far on every chunk
 
 
 class JsonSchemaFormat(_Strict):
@@ -120,6 +121,10 @@ class SamplingRequest(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 PromptInput = str | list[str] | list[int] | list[list[int]]

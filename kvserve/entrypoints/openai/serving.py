@@ -271,18 +271,30 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
 
 async def event_stream(streams: list[RequestStream], chunks_for: Callable[[int, RequestOutput], Iterable[dict]],
                        first: Iterable[dict] = (),
-                       usage_chunk: Callable[[list[RequestOutput]], dict] | None = None) -> AsyncIterator[str]:
+                       usage_chunk: Callable[[list[RequestOutput]], dict] | None = None,
+                       running_prompt_tokens: int | None = None) -> AsyncIterator[str]:
     """The SSE body both endpoints share: leading chunks, then each output's chunks as it arrives, a usage
-    chunk once every stream has finished, and ``[DONE]``. An error after the first byte cannot change the
-    status any more, so it is sent in-band; a client that leaves (cancel or close) aborts every stream."""
+    chunk once every stream has finished, and ``[DONE]``. With ``running_prompt_tokens`` (vLLM's
+    continuous_usage_stats) every chunk carries the usage so far: those prompt tokens and the completion
+    tokens out. An error after the first byte cannot change the status any more, so it is sent in-band;
+    a client that leaves (cancel or close) aborts every stream."""
     final: dict[int, RequestOutput] = {}
+    latest: dict[int, RequestOutput] = {}
+
+    def sse_with_usage(chunk: dict) -> str:
+        if running_prompt_tokens is not None:
+            chunk["usage"] = usage(running_prompt_tokens, sum(len(c.token_ids) for o in latest.values() for c in o.outputs),
+                                   sum(o.num_cached_tokens for o in latest.values()))
+        return sse(chunk)
+
     try:
         for chunk in first:
-            yield sse(chunk)
+            yield sse_with_usage(chunk)
         async with contextlib.aclosing(merged(streams)) as outputs:
             async for i, out in outputs:
+                latest[i] = out
                 for chunk in chunks_for(i, out):
-                    yield sse(chunk)
+                    yield sse_with_usage(chunk)
                 if out.finished:  # a stream's output grows in place: it may be seen finished twice
                     final[i] = out
         if usage_chunk is not None:
