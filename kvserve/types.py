@@ -77,7 +77,9 @@ class SamplingParams:
     the logits of tokens already generated; ``repetition_penalty`` (> 0, 1 disables) divides positive
     and multiplies negative logits of tokens seen in the prompt or the output. ``logit_bias`` adds
     a bias in [-100, 100] to the given token ids, and ``allowed_token_ids`` (vLLM's) rules out every
-    token not in the list. ``min_tokens`` (vLLM's) holds back the model's EOS and
+    token not in the list. ``bad_words`` (vLLM's) are never generated: a word's last token is ruled out
+    whenever the output so far ends with the tokens before it (the text layer tokenizes each word, with
+    and without a leading space, into ``bad_words_token_ids``). ``min_tokens`` (vLLM's) holds back the model's EOS and
     ``stop_token_ids`` until that many tokens are out, and stop strings until they are;
     ``include_stop_str_in_output`` keeps the stop string that ended the text, and
     ``skip_special_tokens`` false writes special tokens (such as ``<|im_end|>``) into it.
@@ -106,6 +108,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None  # set by the text layer from bad_words
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -124,6 +128,8 @@ class SamplingParams:
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         if isinstance(self.allowed_token_ids, (list, tuple)):
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, (list, tuple)):
+            self.bad_words = list(self.bad_words) or None
         self.validate()
         self._clamp_to_kernel_range()
 
@@ -192,6 +198,13 @@ class SamplingParams:
         if allowed is not None and (not isinstance(allowed, list) or not allowed or any(
                 not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < 1 << 31 for t in allowed)):
             raise ValueError(f"allowed_token_ids={allowed!r} must be a non-empty list of token ids (or None)")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list) or any(
+                not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            raise ValueError(f"bad_words={self.bad_words!r} must be a list of words (non-blank strings)")
+        ids = self.bad_words_token_ids
+        if ids is not None and (not isinstance(ids, list) or any(
+                not isinstance(seq, list) or not seq or any(not isinstance(t, int) or t < 0 for t in seq) for seq in ids)):
+            raise ValueError("bad_words_token_ids must be lists of token ids, one per bad word's spelling")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
@@ -209,10 +222,10 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
-        """True when the logits must be adjusted from this request's token history, logit_bias or
-        allowed_token_ids."""
+        """True when the logits must be adjusted from this request's token history, logit_bias,
+        allowed_token_ids or bad_words."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-                    or self.logit_bias or self.allowed_token_ids)
+                    or self.logit_bias or self.allowed_token_ids or self.bad_words)
 
 
 def truncate_prompt(prompt_token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:

@@ -219,6 +219,8 @@ class EngineCore:
         """
         self.validate_prompt(prompt_token_ids)
         self.validate_params(params)
+        if params.bad_words and params.bad_words_token_ids is None:
+            raise ValueError("bad_words need the tokenizer: give them to LLMEngine or LLM, which tokenize them")
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         if not isinstance(priority, int):
             raise ValueError(f"priority={priority!r} must be an integer (lower runs first)")
@@ -243,9 +245,12 @@ class EngineCore:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:3]}")
 
     def validate_params(self, params: SamplingParams) -> None:
-        """Checks that need the model: logit_bias and allowed_token_ids ids must be in the vocabulary."""
+        """Checks that need the model: logit_bias, allowed_token_ids and bad-word ids must be in the
+        vocabulary (bad words once the text layer has tokenized them)."""
         vocab = self.model_config.vocab_size
-        for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
+        bad_word_ids = [t for word in params.bad_words_token_ids or [] for t in word]
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or []),
+                          ("bad_words", bad_word_ids)):
             bad = [t for t in ids if t >= vocab]
             if bad:
                 raise ValueError(f"{name} token ids must be in [0, {vocab}); got {bad[:3]}")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore, RequestFailedError
 from kvserve.frontend.detokenizer import IncrementalDetokenizer, token_bytes_table
-from kvserve.frontend.tokenizer import load_tokenizer
+from kvserve.frontend.tokenizer import bad_words_token_ids, load_tokenizer
 from kvserve.request import Request
 from kvserve.runtime.threads import balance_threads, configure_threads
 from kvserve.types import CompletionOutput, FinishReason, RequestOutput, SamplingParams
@@ -80,6 +80,8 @@ class LLMEngine:
         elif encoded is None:
             encoded = self.encode(text)
         token_ids = params.truncate(encoded, self.core.max_model_len)
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words))
         self.core.validate_prompt(token_ids)
         self.core.validate_params(params)
         tracked = _Tracked(request_id, text, token_ids, [])

@@ -51,3 +51,15 @@ def _auto_tokenizer(folder: Path, **kwargs) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(folder), **kwargs)
+
+
+def bad_words_token_ids(tokenizer: PreTrainedTokenizerBase, words: list[str]) -> list[list[int]]:
+    """Each bad word as the token ids it is generated as: on its own (at the start of the output)
+    and after a space (mid-text), the second kept where it differs from the first, as vLLM does."""
+    out: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in out:
+                out.append(ids)
+    return out

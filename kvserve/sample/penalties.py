@@ -8,7 +8,8 @@ Semantics follow vLLM (and OpenAI for the first two):
   logit_bias: logit += bias[token]
   allowed_token_ids: logit = -inf                          for every token not in the list
 Only the rows that ask for any of these are touched; the others cost nothing. ``hold_back`` rules
-tokens out of a row altogether (min_tokens: a request's EOS and stop ids until enough are out).
+tokens out of a row altogether (min_tokens: a request's EOS and stop ids until enough are out;
+bad_words: the token that would complete one, ``bad_word_completions``).
 """
 
 from __future__ import annotations
@@ -90,6 +91,17 @@ def _allowed_only(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     index = torch.tensor([row for row, _ in rows], device=device)
     logits[index] = logits[index].masked_fill(ruled_out, float("-inf"))
     return logits
+
+
+def bad_word_completions(bad_words_token_ids: Sequence[list[int]], output_token_ids: list[int]) -> list[int]:
+    """The tokens that would complete a bad word now: each word's last token, where the output ends
+    with the tokens before it (a one-token word always)."""
+    out = []
+    for word in bad_words_token_ids:
+        head = len(word) - 1
+        if head == 0 or (len(output_token_ids) >= head and output_token_ids[-head:] == word[:-1]):
+            out.append(word[-1])
+    return out
 
 
 def hold_back(logits: torch.Tensor, held_back: Sequence[list[int]], copy: bool) -> torch.Tensor:

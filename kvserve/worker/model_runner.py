@@ -20,6 +20,7 @@ from kvserve.model.models.llama_decode import build_fused_decoder
 from kvserve.request import PLACEHOLDER
 from kvserve.sample.device_tokens import SampledTokens, fill_placeholders
 from kvserve.sample.grammar import MaskFiller, MaskRequest, apply_bitmask
+from kvserve.sample.penalties import bad_word_completions
 from kvserve.sample.rejection import accept_proposals
 from kvserve.sample.sampler import Sampler, SamplingBatch, scored_logprobs
 from kvserve.scheduler.output import ScheduledRequest, SchedulerOutput
@@ -311,9 +312,13 @@ class ModelRunner:
 
 
 def _held_back(s: ScheduledRequest) -> list[int]:
-    """The tokens ``s`` may not sample this step: its EOS and stop ids until min_tokens are out."""
+    """The tokens ``s`` may not sample this step: its EOS and stop ids until min_tokens are out, and
+    whatever would complete one of its bad words."""
     params = s.sampling_params
-    return [*s.eos_token_ids, *params.stop_token_ids] if s.num_generated < params.min_tokens else []
+    held = [*s.eos_token_ids, *params.stop_token_ids] if s.num_generated < params.min_tokens else []
+    if params.bad_words_token_ids:
+        held += bad_word_completions(params.bad_words_token_ids, s.output_token_ids)
+    return held
 
 
 def _point_placeholders(batch: list[ScheduledRequest], rows: dict[str, int]) -> bool:

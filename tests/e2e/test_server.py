@@ -213,6 +213,15 @@ def test_allowed_token_ids_over_http(server, client):
                                        extra_body={"allowed_token_ids": [10**6]})
 
 
+def test_bad_words_over_http(client):
+    words = client.completions.create(model="tiny", prompt="w30 w31", **GREEDY).choices[0].text.split()
+    got = client.completions.create(model="tiny", prompt="w30 w31", **{**GREEDY, "extra_body": {
+        "ignore_eos": True, "bad_words": [words[2]]}}).choices[0].text.split()
+    assert got[:2] == words[:2] and words[2] not in got
+    with pytest.raises(openai.BadRequestError, match="bad_words"):
+        client.completions.create(model="tiny", prompt="w30", max_tokens=2, extra_body={"bad_words": [""]})
+
+
 def test_stop_string_kept_when_asked(client):
     free = client.completions.create(model="tiny", prompt="w30 w31", **GREEDY).choices[0].text
     stop = free.split()[3]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.sample.penalties import apply_penalties, hold_back
+from kvserve.sample.penalties import apply_penalties, bad_word_completions, hold_back
 from kvserve.sample.sampler import Sampler, SamplingBatch
 from tests.conftest import assert_no_leak
 
@@ -97,6 +97,9 @@ def test_logprobs_are_raw_log_softmax():
     (dict(allowed_token_ids=[]), "allowed_token_ids"),
     (dict(allowed_token_ids=[3, -1]), "allowed_token_ids"),
     (dict(allowed_token_ids=[2.0]), "allowed_token_ids"),
+    (dict(bad_words=["w5", " "]), "bad_words"),
+    (dict(bad_words="w5"), "bad_words"),
+    (dict(bad_words_token_ids=[[3], []]), "bad_words_token_ids"),
 ])
 def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -147,6 +150,32 @@ def test_allowed_token_ids_through_engine(tiny):
     ranked = [token for token, _ in first.outputs[0].logprobs[0].top]
     pick = tiny.generate([[9, 10]], dataclasses.replace(greedy, max_tokens=1, allowed_token_ids=ranked[3:1:-1]))[0]
     assert pick.token_ids == [ranked[2]]
+    assert_no_leak(tiny)
+
+
+def test_bad_word_completions_follow_the_output_tail():
+    words = [[5], [7, 8], [1, 2, 3]]
+    assert bad_word_completions(words, []) == [5]
+    assert bad_word_completions(words, [4, 7]) == [5, 8]
+    assert bad_word_completions(words, [1, 2]) == [5, 3]
+    assert bad_word_completions(words, [2, 1, 7, 2]) == [5]
+
+
+def test_bad_words_are_never_generated(tiny):
+    tokenizer = tiny.get_tokenizer()
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    free = tiny.generate([[5, 6, 7]], greedy)[0].token_ids
+    one = tokenizer.decode([free[2]])  # a one-token word: ruled out everywhere
+    pair = tokenizer.decode(free[3:5])  # a two-token word: its second token only right after its first
+    outs = tiny.generate([[5, 6, 7], [5, 6, 7], [9, 10]],
+                         [dataclasses.replace(greedy, bad_words=[one]), dataclasses.replace(greedy, bad_words=[pair]),
+                          greedy])
+    assert outs[0].token_ids[:2] == free[:2] and free[2] not in outs[0].token_ids
+    assert outs[1].token_ids[:4] == free[:4] and outs[1].token_ids[4] != free[4]
+    assert all(outs[1].token_ids[i:i + 2] != free[3:5] for i in range(11))
+    assert outs[2].token_ids == tiny.generate([[9, 10]], greedy)[0].token_ids
+    with pytest.raises(ValueError, match="bad_words need the tokenizer"):
+        tiny.engine.core.add_request("raw", [5, 6], SamplingParams(bad_words=[one]))
     assert_no_leak(tiny)
 
 

@@ -97,6 +97,7 @@ class SamplingRequest(_Strict):
     repetition_penalty: float = Field(1.0, gt=0, le=10)
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's: sample only from these token ids
+    bad_words: list[str] | None = None  # vLLM's: words the output must not contain
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False  # vLLM's extensions, as SamplingParams has them
     skip_special_tokens: bool = True

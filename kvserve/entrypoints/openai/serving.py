@@ -84,7 +84,7 @@ def build_params(req: SamplingRequest, info: ModelInfo, max_tokens: int, logprob
             truncate_prompt_tokens=req.truncate_prompt_tokens,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, logit_bias=_logit_bias(req.logit_bias),
-            allowed_token_ids=req.allowed_token_ids,
+            allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             structured_outputs=structure.spec if structure is not None else None)
         info.validate_params(params)
