@@ -321,6 +321,27 @@ def test_chat_with_logprobs_and_history(client):
     assert [t.token for t in content] == choice.message.content.split()  # word-level tokenizer
 
 
+def test_logprobs_name_tokens_by_id_when_asked(client, offline):
+    """vLLM's return_tokens_as_token_ids: logprobs name each token ``token_id:N``, the same tokens and
+    values as by text; echoed prompt tokens too."""
+    tokenizer = offline.get_tokenizer()
+    kwargs = dict(model="tiny", prompt=[5, 6, 7], echo=True, logprobs=2, **{**GREEDY, "max_tokens": 3})
+    by_text = client.completions.create(**kwargs).choices[0].logprobs
+    by_id = client.completions.create(**{**kwargs, "extra_body": {"ignore_eos": True,
+                                                                   "return_tokens_as_token_ids": True}}).choices[0].logprobs
+    ids = [int(t.removeprefix("token_id:")) for t in by_id.tokens]
+    assert ids[:3] == [5, 6, 7] and [tokenizer.decode([i]) for i in ids] == by_text.tokens
+    assert by_id.token_logprobs == by_text.token_logprobs
+    messages = [{"role": "user", "content": "w5 w6"}]
+    chat = [client.chat.completions.create(model="tiny", messages=messages, logprobs=True, top_logprobs=2,
+                                           max_completion_tokens=4, temperature=0,
+                                           extra_body={"ignore_eos": True, "return_tokens_as_token_ids": as_ids})
+            for as_ids in (False, True)]
+    text, named = (c.choices[0].logprobs.content for c in chat)
+    assert [tokenizer.decode([int(t.token.removeprefix("token_id:"))]) for t in named] == [t.token for t in text]
+    assert all(t.token.startswith("token_id:") and t.top_logprobs[0].token.startswith("token_id:") for t in named)
+
+
 BAD_INPUTS = [
     ("/v1/completions", {"prompt": "w5", "max_tokens": "x"}, 400, "max_tokens", ["max_tokens"]),
     ("/v1/completions", {"prompt": "w5", "max_tokens": 300}, 400, "max_tokens", ["256", "301", "300"]),

@@ -58,7 +58,7 @@ async def create_chat_completion(req: ChatCompletionRequest, state: ServerState,
     params = serving.build_params(req, info, max_tokens, logprobs=logprobs, renames=_RENAMES, structure=structure)
     job = _Job(serving.new_id("chatcmpl"), model, int(time.time()), req, tools, reasoning)
     streams = serving.submit_all(state.client, job.request_id, [prompt], params, request, req.priority)
-    text_of = state.token_text()
+    text_of = state.token_text(as_ids=req.return_tokens_as_token_ids)
     if req.stream:
         return StreamingResponse(_stream(job, streams, text_of, len(prompt)), media_type="text/event-stream")
     out = (await serving.results_unless_disconnected(request, streams))[0]

@@ -44,7 +44,7 @@ async def create_completion(req: CompletionRequest, state: ServerState, request:
                                   structure=requested_structure(req))
     job = _Job(serving.new_id("cmpl"), model, int(time.time()), prompts, req)
     streams = serving.submit_all(state.client, job.request_id, prompts, params, request, req.priority)
-    text_of = state.token_text()
+    text_of = state.token_text(as_ids=req.return_tokens_as_token_ids)
     if req.stream:
         return StreamingResponse(_stream(job, streams, text_of), media_type="text/event-stream")
     outputs = await serving.results_unless_disconnected(request, streams)

@@ -98,6 +98,7 @@ class SamplingRequest(_Strict):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's: sample only from these token ids
     bad_words: list[str] | None = None  # vLLM's: words the output must not contain
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False  # vLLM's extensions, as SamplingParams has them
     skip_special_tokens: bool = True

@@ -44,10 +44,11 @@ class ServerState:
     _token_text: TokenText | None = None
     _tokenizer_thread: TokenizerThread | None = None
 
-    def token_text(self) -> TokenText:
+    def token_text(self, as_ids: bool = False) -> TokenText:
+        """How logprobs name tokens: their text, or ``token_id:N`` (vLLM's return_tokens_as_token_ids)."""
         if self._token_text is None:
             self._token_text = TokenText(self.client.ready_info().tokenizer)
-        return self._token_text
+        return TokenIdText(self._token_text.tokenizer) if as_ids else self._token_text
 
     def tokenizer_thread(self) -> TokenizerThread:
         if self._tokenizer_thread is None:
@@ -391,3 +392,11 @@ class TokenText:
         if text is None:
             text = self._cache[token_id] = self.tokenizer.decode([token_id])
         return text
+
+
+class TokenIdText(TokenText):
+    """Tokens named by id, ``token_id:N``: exact where a token's text is not (a piece of a UTF-8
+    character, two ids with the same text)."""
+
+    def __call__(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
