@@ -54,12 +54,15 @@ def _auto_tokenizer(folder: Path, **kwargs) -> PreTrainedTokenizerBase:
 
 
 def bad_words_token_ids(tokenizer: PreTrainedTokenizerBase, words: list[str]) -> list[list[int]]:
-    """Each bad word as the token ids it is generated as: on its own (at the start of the output)
-    and after a space (mid-text), the second kept where it differs from the first, as vLLM does."""
+    """Each bad word as the token ids it is generated as: on its own (at the start of the output),
+    and after a space (mid-text) where that spelling starts with another token but has as many, as
+    vLLM does (a tokenizer that marks the space inside the word's first token)."""
     out: list[list[int]] = []
     for word in words:
-        for text in (word.lstrip(), " " + word.lstrip()):
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            if ids and ids not in out:
-                out.append(ids)
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if alone:
+            out.append(alone)
+        if alone and len(spaced) == len(alone) and spaced[0] != alone[0]:
+            out.append(spaced)
     return out

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.frontend.tokenizer import bad_words_token_ids, load_tokenizer
+from kvserve.model.loader import resolve_model_path
 from kvserve.sample.penalties import apply_penalties, bad_word_completions, hold_back
 from kvserve.sample.sampler import Sampler, SamplingBatch
 from tests.conftest import assert_no_leak
@@ -159,6 +161,16 @@ def test_bad_word_completions_follow_the_output_tail():
     assert bad_word_completions(words, [4, 7]) == [5, 8]
     assert bad_word_completions(words, [1, 2]) == [5, 3]
     assert bad_word_completions(words, [2, 1, 7, 2]) == [5]
+
+
+def test_bad_words_are_tokenized_as_generated_alone_and_mid_text():
+    """On the bundled model's byte-level BPE a word has a second spelling after a space (its first
+    token carries the space); both are banned, and only spellings of the word's own length."""
+    tokenizer = load_tokenizer(resolve_model_path(None))
+    paris, spaced, *rest = bad_words_token_ids(tokenizer, ["Paris", "hello world"])
+    assert (tokenizer.decode(paris), tokenizer.decode(spaced)) == ("Paris", " Paris")
+    assert [tokenizer.decode(ids) for ids in rest] == ["hello world", " hello world"]
+    assert all(len(ids) == 2 for ids in rest)
 
 
 def test_bad_words_are_never_generated(tiny):
