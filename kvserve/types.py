@@ -78,8 +78,8 @@ class SamplingParams:
     and multiplies negative logits of tokens seen in the prompt or the output. ``logit_bias`` adds
     a bias in [-100, 100] to the given token ids, and ``allowed_token_ids`` (vLLM's) rules out every
     token not in the list. ``bad_words`` (vLLM's) are never generated: a word's last token is ruled out
-    whenever the output so far ends with the tokens before it (the text layer tokenizes each word, with
-    and without a leading space, into ``bad_words_token_ids``). ``min_tokens`` (vLLM's) holds back the model's EOS and
+    whenever the output so far ends with the tokens before it (the text layer tokenizes each word into
+    ``bad_words_token_ids``). ``min_tokens`` (vLLM's) holds back the model's EOS and
     ``stop_token_ids`` until that many tokens are out, and stop strings until they are;
     ``include_stop_str_in_output`` keeps the stop string that ended the text, and
     ``skip_special_tokens`` false writes special tokens (such as ``<|im_end|>``) into it.
