@@ -632,6 +632,8 @@ class EngineConfig:
     tensor_parallel_size: int = option(1, "processes that split the model's heads and MLP between them "
                                        "(Megatron-style tensor parallelism, worker/tensor_parallel.py): gloo on "
                                        "the CPU, NCCL on CUDA (one GPU per rank)")
+    chat_template: str | None = option(None, "Jinja chat template for chat requests instead of the model's own "
+                                       "(or for a model without one): a file holding it, or the template itself")
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":
@@ -644,6 +646,8 @@ class EngineConfig:
             raise ValueError(f"num_threads={self.num_threads} must be >= 1")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template.strip()):
+            raise ValueError("chat_template must be a file holding a Jinja template, or the template itself")
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling does not combine with tensor_parallel_size > 1 yet")
 

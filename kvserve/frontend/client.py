@@ -477,7 +477,7 @@ class AsyncEngineClient:
 
 def _model_info(engine: LLMEngine) -> ModelInfo:
     core = engine.core
-    tokenizer = load_tokenizer(core.model_path)
+    tokenizer = load_tokenizer(core.model_path, engine.config.chat_template)
     return ModelInfo(tokenizer, core.max_model_len, core.model_config.vocab_size,
                      core.kv_info.capacity_tokens, core.kv_info.num_blocks, core.kv_info.block_size,
                      max_token_bytes(tokenizer), core.validate_prompt, core.validate_params, core.sinks > 0)

@@ -50,7 +50,7 @@ class LLMEngine:
         self.threads = configure_threads(config.num_threads)  # torch threads for this process: see runtime/threads.py
         self.core = EngineCore(config)
         self.config = self.core.config  # dtype "auto" resolved
-        self.tokenizer = load_tokenizer(self.core.model_path)
+        self.tokenizer = load_tokenizer(self.core.model_path, config.chat_template)
         token_bytes_table(self.tokenizer, True)  # built (and checked) at load, not in the first request
         self.core.use_tokenizer(self.tokenizer)  # structured outputs compile grammars against it
         self._tracked: dict[str, _Tracked] = {}

@@ -18,7 +18,32 @@ from kvserve.runtime.disk_cache import cache_dir
 _PLAIN_FAST = {"TokenizersBackend", "PreTrainedTokenizerFast", PreTrainedTokenizerFast.__name__}
 
 
-def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+def load_tokenizer(path: Path, chat_template: str | None = None) -> PreTrainedTokenizerBase:
+    """The model's tokenizer; ``chat_template`` (a file or the template text) replaces its own."""
+    tokenizer = _load(path)
+    if chat_template is not None:
+        tokenizer.chat_template = read_chat_template(chat_template)
+    return tokenizer
+
+
+def read_chat_template(value: str) -> str:
+    """The template text of ``--chat-template``: a file's contents, or the value itself; its Jinja
+    syntax is checked here, at start-up, not in the first chat request."""
+    import jinja2
+
+    if "{" not in value:
+        try:
+            value = Path(value).expanduser().read_text()
+        except OSError as e:
+            raise ValueError(f"chat_template {value!r} is neither a readable file nor a template: {e}") from None
+    try:
+        jinja2.Environment().parse(value)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat_template is not a valid Jinja template: {e} (line {e.lineno})") from None
+    return value
+
+
+def _load(path: Path) -> PreTrainedTokenizerBase:
     if path.is_dir():
         return _auto_tokenizer(path)
     stat = path.stat()

@@ -35,7 +35,7 @@ def serve_cluster(args, argv: list[str], config, names: tuple[str, ...]) -> int:
 
     n = args.data_parallel_size
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
-    tokenizer = load_tokenizer(resolve_model_path(config.model))
+    tokenizer = load_tokenizer(resolve_model_path(config.model), config.chat_template)
     router = make_router(args.router, n, config.cache.block_size)
     logger.info("starting %d replicas (%s backend), %s routing", n, args.distributed_backend, args.router)
     replicas = start_replicas(args.distributed_backend, n, replica_argv(argv), args.ray_address)

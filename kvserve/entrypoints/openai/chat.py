@@ -98,7 +98,8 @@ async def render_messages(req: ChatTemplateFields, info: ModelInfo, state: Serve
     them): the prompt text and its token ids (the template writes any BOS; ``add_special_tokens``
     has the tokenizer add its own too). A long one is rendered off the event loop."""
     if not getattr(info.tokenizer, "chat_template", None):
-        raise bad_request("this model has no chat template; use /v1/completions", "messages")
+        raise bad_request("this model has no chat template: use /v1/completions, or start the server with "
+                          "--chat-template", "messages")
     messages = [template_message(m) for m in req.messages]
     extra = req.chat_template_kwargs or {}
     if taken := sorted(_TEMPLATE_ARGUMENTS & extra.keys()):
