@@ -73,6 +73,7 @@ def serve(args: argparse.Namespace) -> int:
     from kvserve.entrypoints.llm import engine_config
     from kvserve.entrypoints.openai.app import ServerOptions, build_app
     from kvserve.entrypoints.openai.models import default_served_name
+    from kvserve.frontend.tokenizer import read_chat_template
     from kvserve.model.loader import resolve_model_path
 
     kwargs = engine_kwargs(args)
@@ -83,6 +84,8 @@ def serve(args: argparse.Namespace) -> int:
     kwargs["model"] = args.model_path or kwargs.get("model")
     config = engine_config(**kwargs)
     resolve_model_path(config.model)  # a wrong path fails here, not after the port is open
+    if config.chat_template is not None:
+        read_chat_template(config.chat_template)  # so does a bad template
     names = tuple(args.served_model_name or [default_served_name(kwargs["model"])])
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size {args.data_parallel_size} must be >= 1")

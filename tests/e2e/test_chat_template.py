@@ -70,3 +70,10 @@ def test_the_offline_tokenizer_carries_the_template(tiny_llama):
     prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "w5"}], tokenize=False,
                                                      add_generation_prompt=True)
     assert prompt == "w5 w9"
+
+
+def test_serve_refuses_a_bad_template_before_it_loads_anything(capsys):
+    from kvserve.cli import main
+
+    assert main(["serve", "--chat-template", "{% for m in messages %}", "--port", "8123"]) == 2
+    assert "not a valid Jinja template" in capsys.readouterr().err
