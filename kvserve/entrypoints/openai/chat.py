@@ -119,7 +119,7 @@ async def render_messages(req: ChatTemplateFields, info: ModelInfo, state: Serve
         rendered.append(text)
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    ids = await serving.encode_text(state, render, sum(len(m["content"] or "") for m in messages))
+    ids = await serving.run_tokenizer(state, render, sum(len(m["content"] or "") for m in messages))
     return rendered[0], ids
 
 

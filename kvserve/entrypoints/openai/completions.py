@@ -80,7 +80,7 @@ async def tokenize_prompts(req: CompletionRequest, info: ModelInfo, state: Serve
     out = []
     for p in prompt:
         if isinstance(p, str):
-            ids = await serving.encode_text(state, lambda tok, p=p: tok.encode(p, add_special_tokens=True), len(p))
+            ids = await serving.run_tokenizer(state, lambda tok, p=p: tok.encode(p, add_special_tokens=True), len(p))
         else:
             ids = list(p)
         out.append(serving.checked_prompt(info, ids, req, "prompt"))

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -28,6 +29,7 @@ logger = logging.getLogger("kvserve.server")
 # Ignored field names already logged, each once (bounded: a client inventing names cannot grow it without end).
 _IGNORED_SEEN: set[str] = set()
 _IGNORED_MAX = 1024
+T = TypeVar("T")
 
 
 @dataclass
@@ -80,7 +82,8 @@ def build_params(req: SamplingRequest, info: ModelInfo, max_tokens: int, logprob
     try:
         params = SamplingParams(
             max_tokens=max_tokens, min_tokens=req.min_tokens, temperature=req.temperature, top_p=req.top_p,
-            top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, n=req.n,
+            top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos, n=req.n,
             include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
@@ -146,9 +149,10 @@ def check_text(info: ModelInfo, text: str, param: str) -> None:
                           f"{info.max_token_bytes} bytes); please shorten it", param)
 
 
-async def encode_text(state: ServerState, fn: Callable[..., list[int]], size: int) -> list[int]:
-    """Run ``fn(tokenizer)``: on the event loop for a short text, on the tokenizer thread for a long one
-    (with that thread's own tokenizer: a fast tokenizer must not be used by two threads at once)."""
+async def run_tokenizer(state: ServerState, fn: Callable[[Any], T], size: int) -> T:
+    """Run ``fn(tokenizer)`` (an encode, a decode, a template): on the event loop for a short input, on
+    the tokenizer thread for a long one (with that thread's own tokenizer: a fast tokenizer must not be
+    used by two threads at once)."""
     if size < LARGE_TEXT_CHARS:
         return fn(state.client.ready_info().tokenizer)
     return await state.tokenizer_thread().run(fn)
@@ -161,7 +165,7 @@ class TokenizerThread:
         self._tokenizer = copy.deepcopy(tokenizer)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer")
 
-    async def run(self, fn: Callable[..., list[int]]) -> list[int]:
+    async def run(self, fn: Callable[[Any], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, self._tokenizer)
 
     def close(self) -> None:

@@ -20,7 +20,7 @@ async def tokenize(req: TokenizeRequest, state: ServerState) -> dict:
         _, ids = await render_messages(req, info, state, add_special_tokens=bool(req.add_special_tokens))
     else:
         special = req.add_special_tokens is not False
-        ids = await serving.encode_text(state, lambda tok: tok.encode(req.prompt, add_special_tokens=special),
+        ids = await serving.run_tokenizer(state, lambda tok: tok.encode(req.prompt, add_special_tokens=special),
                                         len(req.prompt))
     return {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids}
 
@@ -31,5 +31,5 @@ async def detokenize(req: DetokenizeRequest, state: ServerState) -> dict:
     vocab = len(info.tokenizer)
     if bad := [t for t in req.tokens if not 0 <= t < vocab][:3]:
         raise bad_request(f"tokens must be ids in [0, {vocab}); got {bad}", "tokens")
-    text = await serving.encode_text(state, lambda tok: tok.decode(req.tokens), len(req.tokens))
+    text = await serving.run_tokenizer(state, lambda tok: tok.decode(req.tokens), len(req.tokens))
     return {"prompt": text}
