@@ -396,6 +396,31 @@ def test_avx2_strip_kernel_matches_the_row_kernel():
             torch.testing.assert_close(by_strips, by_rows, atol=1e-5 * by_rows.abs().max().item(), rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_avx2_integer_kernels_round_y_once(dtype):
+    """The AVX2 integer kernels store y in x's dtype as they go: each output is the float32 sum
+    rounded once, bitwise what the same x in float32 gives, converted by torch (rows and strips,
+    int4 and int8, decode and prefill rows; the huge weights' rows overflow to inf)."""
+    kernels = _kernels()
+    if not (kernels.vector_bits() == 256 and kernels.has_int8_activations()):
+        pytest.skip("the AVX2 build's kernels")
+    torch.manual_seed(3)
+    for bits in (4, 8):
+        q, s, z, f = _strip_weight(bits, 32, False, True, n=96, k=576)
+        if dtype == torch.float16:
+            s = s.clone()
+            s[:8] = 60000.0  # a few channels past float16's range
+        layouts = [(q, s, z, f)] + ([packing.to_strips(q, s, z, f, 4)] if bits == 4 else [])
+        for w in layouts:
+            for rows in (1, 3, 9):
+                x = (torch.randn(rows, 576) * 4).to(dtype)
+                y = kernels.quant_linear(x, *w, 32, bits, 1 << 62, 1 << 62, 4096, True)
+                y32 = kernels.quant_linear(x.float(), *w, 32, bits, 1 << 62, 1 << 62, 4096, True)
+                assert y.dtype == dtype and torch.equal(y, y32.to(dtype))
+        if dtype == torch.float16:
+            assert y.isinf().any()
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_strip_kernel_rows_do_not_depend_on_the_batch(bits):
     # Every row of x gets bitwise what a 1-row call gives it, whatever the rows around it: a verify

@@ -161,7 +161,10 @@ inline __m256 round8_bf16(__m256 v) {
 // 8 values stored in the dtype (bf16 and float16 rounded to nearest even).
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8(c10::BFloat16* p, __m256 v) {
-  const __m256i h = _mm256_srli_epi32(bf16_bits8(v), 16);  // 0..65535 in each int32 lane
+  // NaN is stored as torch stores it (0x7fc0): rounding its bits could carry into the sign
+  const __m256i rounded = _mm256_blendv_epi8(bf16_bits8(v), _mm256_set1_epi32(0x7fc00000),
+                                             _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  const __m256i h = _mm256_srli_epi32(rounded, 16);  // 0..65535 in each int32 lane
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }

@@ -439,8 +439,10 @@ struct Scratch8 {
   simd::aligned_vector<float> q, acc, p;  // [group, D] scaled query, [group, D] weighted values, [group, 8] weights
   std::vector<float> m, l;                 // [group] running max and sum of weights
   simd::aligned_vector<float> part;       // [group, 8, 8] per-lane partial dots of each head with each token
-  Scratch8(int64_t group, int64_t head_dim)
-      : q(group * head_dim), acc(group * head_dim), p(group * kTok), m(group), l(group), part(group * kTok * 8) {}
+  void reset(int64_t group, int64_t head_dim) {
+    q.resize(group * head_dim), acc.resize(group * head_dim), p.resize(group * kTok), m.resize(group), l.resize(group);
+    part.resize(group * kTok * 8);
+  }
 };
 
 // part[j][t] (8 floats): lane sums of query head j's dot with token t, for GB heads (q: [GB, D],
@@ -845,10 +847,17 @@ void run(const at::Tensor& q, const Rows& k_rows, const Rows& v_rows, int64_t bl
   const int64_t per_task = batch >= 2 * at::get_num_threads() ? num_kv_heads : 1;
   const int64_t tasks_per_seq = num_kv_heads / per_task, tasks = batch * tasks_per_seq;
   // A second thread costs a wake-up (tens of microseconds) that a short batch never earns back:
-  // split only when there are at least ~64K cached values per thread to read.
+  // split only when there are at least ~64K cached values per thread to read. The AVX2 kernel is
+  // slower per value (no bf16 arithmetic), so there a few thousand per thread already pay: on the
+  // default model, a single stream's attention from ~64 tokens on (its 3 kv heads over 2 threads).
+#if defined(KVSERVE_AVX2)
+  constexpr int64_t split_values = int64_t{1} << 13;
+#else
+  constexpr int64_t split_values = int64_t{1} << 17;
+#endif
   int64_t total = 0;
   for (int64_t b = 0; b < batch; ++b) total += sl[b] - window_start(sl[b], window);
-  const int64_t grain = total * num_kv_heads * head_dim < (int64_t{1} << 17) ? tasks : 1;
+  const int64_t grain = total * num_kv_heads * head_dim < split_values ? tasks : 1;
   parallel_for_dynamic(0, tasks, grain, [&](int64_t begin, int64_t end) {
 #if defined(__AVX512F__)
     if (vectorised) {
@@ -866,7 +875,8 @@ void run(const at::Tensor& q, const Rows& k_rows, const Rows& v_rows, int64_t bl
 #endif
 #if defined(KVSERVE_AVX2)
     if (std::is_same_v<Rows, DenseRows<T>> && head_dim % 16 == 0) {  // a dense cache in the query's dtype
-      Scratch8 s(group, head_dim);
+      thread_local Scratch8 s;  // the running thread's, reused: a call per layer and step
+      s.reset(group, head_dim);
       auto* f = head_dim == 64 ? decode_avx2<64, T> : head_dim == 128 ? decode_avx2<128, T> : decode_avx2<0, T>;
       const T* kb = reinterpret_cast<const T*>(k_rows.base);
       const T* vb = reinterpret_cast<const T*>(v_rows.base);

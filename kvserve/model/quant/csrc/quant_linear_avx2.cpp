@@ -163,11 +163,12 @@ inline __m256 lane_scales(const float* scales, int32_t h0, int32_t h1) {
 }
 
 // Rows [n, n + NR) of W against MB rows of quantized x (from row m0, a multiple of kIntRows), into y
-// (float32, ldy = N). Each row of x and of W is reached from one pointer with constant offsets: with
-// a pointer per row GCC ran out of registers at 8 rows and reloaded them for every product.
-template <int BITS, bool SPLIT, int MB, int NR>
+// (ldy = N, each sum rounded once to Y's dtype). Each row of x and of W is reached from one pointer
+// with constant offsets: with a pointer per row GCC ran out of registers at 8 rows and reloaded them
+// for every product.
+template <int BITS, bool SPLIT, int MB, int NR, typename Y>
 inline void int_block(const QuantWeightRef& w, const int32_t* group_of, const QuantizedX& xq, int64_t m0,
-                      const float* params, int64_t n, float* y) {
+                      const float* params, int64_t n, Y* y) {
   const int64_t row_bytes = BITS == 4 ? w.k / 2 : w.k, units = xq.units, gpad = xq.gpad;
   const int64_t last = row_bytes % 32 ? units - 1 : units;  // a unit with only its first 16 bytes, if any
   const int8_t* xb = xq.block_q(m0);
@@ -231,7 +232,7 @@ inline void int_block(const QuantWeightRef& w, const int32_t* group_of, const Qu
       const float* xsum = xq.row_xsum(m0 + m);
       for (int64_t g = 0; w.zeros && g < gpad; g += 8)
         sum = _mm256_fmadd_ps(_mm256_loadu_ps(zeros + g), _mm256_loadu_ps(xsum + g), sum);
-      y[(m0 + m) * w.n + n + r] = simd::hsum8(sum);
+      y[(m0 + m) * w.n + n + r] = static_cast<Y>(simd::hsum8(sum));
     }
   }
 }
@@ -239,9 +240,9 @@ inline void int_block(const QuantWeightRef& w, const int32_t* group_of, const Qu
 // Rows [n0, n1) of W against MB rows of x from m0, NR rows of W at a time (the last few one at a time).
 // params: every row's scales and zeros from n0 on, converted already (`converted`), or room for NR
 // rows', converted here.
-template <int BITS, bool SPLIT, int MB>
+template <int BITS, bool SPLIT, int MB, typename Y>
 void int_rows(const QuantWeightRef& w, const int32_t* group_of, const QuantizedX& xq, int64_t m0, int64_t n0,
-              int64_t n1, float* params, bool converted, float* y) {
+              int64_t n1, float* params, bool converted, Y* y) {
   constexpr int NR = int_w_rows(MB);
   const int64_t per_row = 2 * xq.gpad;
   const auto rows_at = [&](int64_t n, int rows) {
@@ -269,8 +270,7 @@ at::Tensor int_linear(const QuantWeightRef& w, const at::Tensor& x) {
   for (size_t h = 0; h < group_of.size(); ++h)
     group_of[h] = static_cast<int32_t>(std::min<int64_t>(groups - 1, 16 * static_cast<int64_t>(h) / w.group));
   const QuantizedX& xr = xq;
-  at::Tensor y = at::empty({m, w.n}, x.options().dtype(at::kFloat));
-  float* yp = y.data_ptr<float>();
+  at::Tensor y = at::empty({m, w.n}, x.options());  // in x's dtype: each output rounded once, as y.to() would
   const int64_t row_bytes = BITS == 4 ? w.k / 2 : w.k;
   const auto rows = [&](int64_t n0, int64_t n1) {
     // Several blocks of x (prefill): the task's rows' scales and zeros converted once, not once per
@@ -285,7 +285,14 @@ at::Tensor int_linear(const QuantWeightRef& w, const at::Tensor& x) {
     }
     for (int64_t m0 = 0; m0 < m; m0 += kIntRows)
       with_few_rows<kIntRows>(std::min<int64_t>(kIntRows, m - m0), [&](auto mb) {
-        int_rows<BITS, SPLIT, decltype(mb)::value>(w, group_of.data(), xr, m0, n0, n1, params.data(), converted, yp);
+        const auto store = [&](auto* yp) {
+          int_rows<BITS, SPLIT, decltype(mb)::value>(w, group_of.data(), xr, m0, n0, n1, params.data(), converted, yp);
+        };
+        switch (y.scalar_type()) {
+          case at::kFloat: store(y.data_ptr<float>()); break;
+          case at::kBFloat16: store(y.data_ptr<c10::BFloat16>()); break;
+          default: store(y.data_ptr<c10::Half>()); break;
+        }
       });
   };
   if (m <= kIntRows) {
@@ -299,7 +306,7 @@ at::Tensor int_linear(const QuantWeightRef& w, const at::Tensor& x) {
   } else {
     parallel_for_dynamic(0, w.n, rows_per_task(w.n, row_bytes), rows);
   }
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  return y;
 }
 
 // ---- int4 W repacked as strips (packing.to_strips; quant_linear.cpp's strips section) ---------------
@@ -353,9 +360,9 @@ inline __m256 strip_zeros8(const QuantWeightRef& w, int64_t at) {
 // How far ahead (bytes) the strip kernel prefetches W into L1, as the VNNI strip kernel does.
 constexpr int64_t kStripPrefetchBytes = 4096;
 
-// Channels 16s + 8 half .. + 7 of W against MB rows of x, into y (float32, rows at ldy).
-template <bool CODED, int MB>
-void strip_half(const QuantWeightRef& w, const StripXAvx2& x, int64_t s, int half, float* y, int64_t ldy) {
+// Channels 16s + 8 half .. + 7 of W against MB rows of x, into y (rows at ldy), stored in Y's dtype.
+template <bool CODED, int MB, typename Y>
+void strip_half(const QuantWeightRef& w, const StripXAvx2& x, int64_t s, int half, Y* y, int64_t ldy) {
   const int64_t per_group = w.group / 32;
   const uint8_t* ws = w.data + s * x.chunks * 256 + 32 * half;
   const __m256i low4 = _mm256_set1_epi8(15);
@@ -398,7 +405,7 @@ void strip_half(const QuantWeightRef& w, const StripXAvx2& x, int64_t s, int hal
     } else {
       out = _mm256_add_ps(acc[m], zacc[m]);
     }
-    _mm256_storeu_ps(y + m * ldy + 16 * s + 8 * half, out);
+    simd::store8(y + m * ldy + 16 * s + 8 * half, out);
   }
 }
 
@@ -420,8 +427,9 @@ at::Tensor strip_linear(const QuantWeightRef& w, const at::Tensor& x) {
   };
   if (m <= kIntRows) quantize(0, m);  // decode: not worth waking the other threads
   else parallel_for_dynamic(0, m, 16, quantize);
-  at::Tensor y = at::empty({m, w.n}, x.options().dtype(at::kFloat));
-  float* yp = y.data_ptr<float>();
+  // y in x's dtype, each output rounded once as it is stored (as float32 y.to(dtype) would round it).
+  at::Tensor y = at::empty({m, w.n}, x.options());
+  T* yp = y.data_ptr<T>();
   // Each thread streams its share of the strips (pieces of ~32 KB of W); a strip's every block of
   // x runs while the strip is in L1, so prefill also reads W once.
   const int64_t strip_bytes = chunks * 256;
@@ -434,7 +442,7 @@ at::Tensor strip_linear(const QuantWeightRef& w, const at::Tensor& x) {
         });
       }
   });
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  return y;
 }
 
 template <bool CODED>
