@@ -378,7 +378,7 @@ void strip_half(const QuantWeightRef& w, const StripXAvx2& x, int64_t s, int hal
           _mm_prefetch(reinterpret_cast<const char*>(wc + kStripPrefetchBytes + line), _MM_HINT_T0);
       __m256i sum[MB];
       for (int m = 0; m < MB; ++m) sum[m] = _mm256_setzero_si256();
-      for (int j = 0; j < 4; ++j) {
+      const auto quarter = [&](int j) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 64 * j));
         const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
         for (int m = 0; m < MB; ++m) {
@@ -386,6 +386,14 @@ void strip_half(const QuantWeightRef& w, const StripXAvx2& x, int64_t s, int hal
           sum[m] = _mm256_add_epi16(sum[m], _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xm)),
                                                              _mm256_maddubs_epi16(hi, broadcast4(xm + 4))));
         }
+      };
+      if constexpr (MB == 1) {
+        for (int j = 0; j < 4; ++j) quarter(j);
+      } else {
+        // Unrolled, GCC computed every product of the chunk first and spilled them to the stack: with
+        // several rows each row cost as much as a 1-row call (verify steps, prefill).
+#pragma GCC unroll 1
+        for (int j = 0; j < 4; ++j) quarter(j);
       }
       for (int m = 0; m < MB; ++m) {
         const __m256 d = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[m], _mm256_set1_epi16(1)));
