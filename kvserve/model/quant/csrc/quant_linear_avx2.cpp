@@ -255,22 +255,29 @@ void int_rows(const QuantWeightRef& w, const int32_t* group_of, const QuantizedX
   for (; n < n1; ++n) int_block<BITS, SPLIT, MB, 1>(w, group_of, xq, m0, rows_at(n, 1), n, y);
 }
 
-template <int BITS, bool SPLIT>
+// f(T{}) for x's dtype T: the kernels read x and write y in it.
+template <typename F>
+at::Tensor with_x_dtype(const at::Tensor& x, const F& f) {
+  switch (x.scalar_type()) {
+    case at::kFloat: return f(float{});
+    case at::kBFloat16: return f(c10::BFloat16{});
+    case at::kHalf: return f(c10::Half{});
+    default: TORCH_CHECK(false, "quant_linear: x must be float32, bfloat16 or float16");
+  }
+}
+
+template <int BITS, bool SPLIT, typename T>
 at::Tensor int_linear(const QuantWeightRef& w, const at::Tensor& x) {
   const int64_t m = x.size(0), groups = w.k / w.group;
   thread_local QuantizedX xq;  // the calling thread's, reused across calls; the workers read it
-  switch (x.scalar_type()) {
-    case at::kFloat: quantize_x<BITS, float>(x, w.group, groups, xq); break;
-    case at::kBFloat16: quantize_x<BITS, c10::BFloat16>(x, w.group, groups, xq); break;
-    case at::kHalf: quantize_x<BITS, c10::Half>(x, w.group, groups, xq); break;
-    default: TORCH_CHECK(false, "quant_linear: x must be float32, bfloat16 or float16");
-  }
+  quantize_x<BITS, T>(x, w.group, groups, xq);
   // The group of each half-chunk of the units (past K: the last group, where x is zero).
   std::vector<int32_t> group_of(xq.units * xq.unit_bytes / 16);
   for (size_t h = 0; h < group_of.size(); ++h)
     group_of[h] = static_cast<int32_t>(std::min<int64_t>(groups - 1, 16 * static_cast<int64_t>(h) / w.group));
   const QuantizedX& xr = xq;
   at::Tensor y = at::empty({m, w.n}, x.options());  // in x's dtype: each output rounded once, as y.to() would
+  T* yp = y.data_ptr<T>();
   const int64_t row_bytes = BITS == 4 ? w.k / 2 : w.k;
   const auto rows = [&](int64_t n0, int64_t n1) {
     // Several blocks of x (prefill): the task's rows' scales and zeros converted once, not once per
@@ -285,14 +292,7 @@ at::Tensor int_linear(const QuantWeightRef& w, const at::Tensor& x) {
     }
     for (int64_t m0 = 0; m0 < m; m0 += kIntRows)
       with_few_rows<kIntRows>(std::min<int64_t>(kIntRows, m - m0), [&](auto mb) {
-        const auto store = [&](auto* yp) {
-          int_rows<BITS, SPLIT, decltype(mb)::value>(w, group_of.data(), xr, m0, n0, n1, params.data(), converted, yp);
-        };
-        switch (y.scalar_type()) {
-          case at::kFloat: store(y.data_ptr<float>()); break;
-          case at::kBFloat16: store(y.data_ptr<c10::BFloat16>()); break;
-          default: store(y.data_ptr<c10::Half>()); break;
-        }
+        int_rows<BITS, SPLIT, decltype(mb)::value>(w, group_of.data(), xr, m0, n0, n1, params.data(), converted, yp);
       });
   };
   if (m <= kIntRows) {
@@ -453,16 +453,6 @@ at::Tensor strip_linear(const QuantWeightRef& w, const at::Tensor& x) {
   return y;
 }
 
-template <bool CODED>
-at::Tensor strip_linear_typed(const QuantWeightRef& w, const at::Tensor& x) {
-  switch (x.scalar_type()) {
-    case at::kFloat: return strip_linear<CODED, float>(w, x);
-    case at::kBFloat16: return strip_linear<CODED, c10::BFloat16>(w, x);
-    case at::kHalf: return strip_linear<CODED, c10::Half>(w, x);
-    default: TORCH_CHECK(false, "quant_linear: x must be float32, bfloat16 or float16");
-  }
-}
-
 }  // namespace
 
 bool int_linear_avx2_supported(const QuantWeightRef& w, int64_t bits) {
@@ -472,15 +462,20 @@ bool int_linear_avx2_supported(const QuantWeightRef& w, int64_t bits) {
 at::Tensor int_linear_avx2(const QuantWeightRef& w, int64_t bits, const at::Tensor& x) {
   TORCH_CHECK(int_linear_avx2_supported(w, bits), "int_linear_avx2: groups must be multiples of 16");
   const bool split = w.group % 32 != 0;
-  if (bits == 4) return split ? int_linear<4, true>(w, x) : int_linear<4, false>(w, x);
-  return split ? int_linear<8, true>(w, x) : int_linear<8, false>(w, x);
+  return with_x_dtype(x, [&](auto t) {
+    using T = decltype(t);
+    if (bits == 4) return split ? int_linear<4, true, T>(w, x) : int_linear<4, false, T>(w, x);
+    return split ? int_linear<8, true, T>(w, x) : int_linear<8, false, T>(w, x);
+  });
 }
 
 bool strip_linear_avx2_supported(int64_t bits) { return bits == 4; }
 
 at::Tensor strip_linear_avx2(const QuantWeightRef& w, int64_t bits, const at::Tensor& x) {
   TORCH_CHECK(strip_linear_avx2_supported(bits), "strip_linear_avx2: int4 only");
-  return w.factors ? strip_linear_typed<true>(w, x) : strip_linear_typed<false>(w, x);
+  return with_x_dtype(x, [&](auto t) {
+    return w.factors ? strip_linear<true, decltype(t)>(w, x) : strip_linear<false, decltype(t)>(w, x);
+  });
 }
 
 #else
