@@ -302,10 +302,8 @@ def test_few_row_kernel_rows_do_not_depend_on_the_batch(bits, group, n, dtype):
 
 # ---- strips: W repacked at load for the integer kernels (packing.to_strips) --------------------------
 def _strip_kernel_takes(kernels, bits: int) -> bool:
-    """Whether this build has a strip kernel for ``bits``: AVX512-VNNI for int4 and int8, AVX2 for int4."""
-    if not kernels.has_int8_activations():
-        return False
-    return kernels.vector_bits() == 512 or (kernels.vector_bits() == 256 and bits == 4)
+    """Whether this build has a strip kernel for ``bits``: AVX512-VNNI or AVX2, int4 and int8."""
+    return kernels.has_int8_activations() and kernels.vector_bits() in (256, 512) and bits in (4, 8)
 
 
 def _strip_weight(bits: int, group: int, coded: bool, zeros: bool, n: int = 96, k: int = 576, seed: int = 0):
@@ -343,7 +341,7 @@ def test_strip_kernel_computes_w_dot_quantized_x(bits, group, coded, zeros, dtyp
     at::mm; AVX2's kernel takes every number of rows of x of any dtype, and only quantized x."""
     kernels = _kernels()
     if not _strip_kernel_takes(kernels, bits):
-        pytest.skip("no strip kernel for this W here (AVX512-VNNI, or AVX2 for int4)")
+        pytest.skip("no strip kernel for this W here (AVX512-VNNI or AVX2)")
     q, s, z, f = _strip_weight(bits, group, coded, zeros)
     strips = packing.to_strips(q, s, z, f, bits)
     ref_w = packing.dequantize(q, s, z, bits, torch.float32, f)
@@ -381,18 +379,19 @@ def test_strip_kernel_computes_w_dot_quantized_x(bits, group, coded, zeros, dtyp
 
 
 def test_avx2_strip_kernel_matches_the_row_kernel():
-    """On AVX2 int4 strips and int4 rows are two layouts of one product: the same x quantized the same
-    way, the sums only reordered; every row count (decode, a verify step, prefill blocks of 4)."""
+    """On AVX2 strips and rows are two layouts of one product: the same x quantized the same way, the
+    sums only reordered; int4 and int8, every row count (decode, a verify step, prefill blocks of 4)."""
     kernels = _kernels()
     if not (kernels.vector_bits() == 256 and kernels.has_int8_activations()):
         pytest.skip("the AVX2 build's kernels")
-    for coded, n, k in ((True, 96, 576), (False, 576, 1536), (True, 208, 64)):
-        q, s, z, f = _strip_weight(4, 32, coded, True, n=n, k=k)
-        strips = packing.to_strips(q, s, z, f, 4)
+    for bits, coded, zeros, n, k in ((4, True, True, 96, 576), (4, False, True, 576, 1536), (4, True, True, 208, 64),
+                                     (8, False, False, 96, 576), (8, False, True, 208, 64)):
+        q, s, z, f = _strip_weight(bits, 32, coded, zeros, n=n, k=k)
+        strips = packing.to_strips(q, s, z, f, bits)
         for rows in (1, 2, 5, 9, 70):
             x = torch.randn(rows, k)
-            by_rows = kernels.quant_linear(x, q, s, z, f, 32, 4, 1 << 62, 1 << 62, 4096, True)
-            by_strips = kernels.quant_linear(x, *strips, 32, 4, 1 << 62, 1 << 62, 4096, True)
+            by_rows = kernels.quant_linear(x, q, s, z, f, 32, bits, 1 << 62, 1 << 62, 4096, True)
+            by_strips = kernels.quant_linear(x, *strips, 32, bits, 1 << 62, 1 << 62, 4096, True)
             torch.testing.assert_close(by_strips, by_rows, atol=1e-5 * by_rows.abs().max().item(), rtol=1e-5)
 
 
@@ -410,7 +409,7 @@ def test_avx2_integer_kernels_round_y_once(dtype):
         if dtype == torch.float16:
             s = s.clone()
             s[:8] = 60000.0  # a few channels past float16's range
-        layouts = [(q, s, z, f)] + ([packing.to_strips(q, s, z, f, 4)] if bits == 4 else [])
+        layouts = [(q, s, z, f), packing.to_strips(q, s, z, f, bits)]
         for w in layouts:
             for rows in (1, 3, 9):
                 x = (torch.randn(rows, 576) * 4).to(dtype)
@@ -427,7 +426,7 @@ def test_strip_kernel_rows_do_not_depend_on_the_batch(bits):
     # step (k + 1 rows of one request) scores what plain decoding would, and decode batches too.
     kernels = _kernels()
     if not _strip_kernel_takes(kernels, bits):
-        pytest.skip("no strip kernel for this W here (AVX512-VNNI, or AVX2 for int4)")
+        pytest.skip("no strip kernel for this W here (AVX512-VNNI or AVX2)")
     q, s, z, f = _strip_weight(bits, 32, bits == 4, False, n=208)
     args = (*packing.to_strips(q, s, z, f, bits), 32, bits, 256, 0, 4096, True)
     x = torch.randn(19, 576).bfloat16()
@@ -436,31 +435,29 @@ def test_strip_kernel_rows_do_not_depend_on_the_batch(bits):
         assert torch.equal(kernels.quant_linear(x[:rows].contiguous(), *args), single[:rows])
 
 
-def test_strips_serve_a_quantized_layer():
-    """A bf16 layer on a CPU with VNNI and without AMX (or an int4 layer on AVX2) keeps W only as
-    strips; its products, the embedding lookup and the dense weight read them."""
+@pytest.mark.parametrize("bits", [4, 8])
+def test_strips_serve_a_quantized_layer(bits):
+    """A bf16 layer on a CPU with VNNI and without AMX, or on AVX2, keeps W only as strips; its
+    products, the embedding lookup and the dense weight read them."""
     from kvserve.model.layers.linear import VocabEmbedding
     from kvserve.model.quant.methods import int4, int8
 
     kernels = _kernels()
-    if not _strip_kernel_takes(kernels, 4) or kernels.has_amx():
-        pytest.skip("W is repacked as strips on VNNI CPUs without AMX, and int4 W on AVX2")
-    if kernels.vector_bits() == 256:  # int8 W keeps its rows on AVX2 (docs/cpu-kernels.md says why)
-        layer = VocabEmbedding(64, 96, torch.float32)
-        layer.set_method(int8(group=32))
-        layer.load_weight("weight", torch.randn(64, 96), None, "embed")
-        layer.method.finish_loading(layer)
-        assert layer.qweight.shape == (64, 96)
+    if not _strip_kernel_takes(kernels, bits) or kernels.has_amx():
+        pytest.skip("W is repacked as strips on VNNI CPUs without AMX, and on AVX2")
     torch.manual_seed(0)
     w = torch.randn(64, 96) * 0.1
     layer = VocabEmbedding(64, 96, torch.bfloat16)
-    layer.set_method(int4(group=32))
+    layer.set_method(int4(group=32) if bits == 4 else int8(group=32))
     layer.load_weight("weight", w, None, "embed")
     layer.method.finish_loading(layer)
-    assert layer.qweight.shape == (4, 3, 256)
+    assert layer.qweight.shape == (4, 3, 256 if bits == 4 else 512)
     dense = layer.method.dense(layer, torch.float32)
-    q, scales, zeros, factors = packing.quantize_int4(w, 32, coded=True)
-    assert torch.equal(dense, packing.dequantize(q, scales, zeros, 4, torch.float32, factors))
+    if bits == 4:
+        q, scales, zeros, factors = packing.quantize_int4(w, 32, coded=True)
+    else:
+        (q, scales), zeros, factors = packing.quantize_int8(w, 32), None, None
+    assert torch.equal(dense, packing.dequantize(q, scales, zeros, bits, torch.float32, factors))
     ids = torch.tensor([[3, 63], [17, 3]])
     assert torch.equal(layer(ids), dense.bfloat16()[ids])
     x = torch.randn(2, 96).bfloat16()

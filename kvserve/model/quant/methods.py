@@ -9,7 +9,7 @@ of each output row, as float16 or as 8-bit codes (see packing.py for the layouts
     Q8_0/Q5_0/Q5_1/Q5_K (groups of 32) and Q6_K (groups of 16) as int8, all exact (gguf_blocks.py).
 On the CPU the C++ kernels in csrc/quant_linear.cpp apply it; elsewhere (or without a compiler)
 the weight is dequantized per call and multiplied with torch (correct, not fast). On a CPU with
-AVX512-VNNI and without AMX, and for int4 on AVX2, the loaded weight is repacked as strips
+AVX512-VNNI and without AMX, and on AVX2, the loaded weight is repacked as strips
 (packing.to_strips) for them.
 """
 
@@ -249,15 +249,15 @@ class GroupQuant(QuantMethod):
         """Whether to repack W as strips (packing.to_strips) for the integer kernels: on a CPU with
         AVX512-VNNI and without AMX for 16-bit activations (AMX CPUs keep rows: their kernel past the
         few rows, AMX tiles, reads W by rows; the strips' other paths, prefill and float32 x,
-        dequantize tiles of W for at::mm, as rows do); on AVX2 for int4, whose strip kernel serves
-        every number of rows of x of any dtype."""
+        dequantize tiles of W for at::mm, as rows do); on AVX2, whose strip kernels serve every number
+        of rows of x of any dtype."""
         kernels = load_quant_kernels()
         if not (self.int8_activations and kernels is not None and layer.qweight.device.type == "cpu"
                 and kernels.has_int8_activations()
                 and layer.out_features % 16 == 0 and layer.in_features % 32 == 0 and self.layer_group(layer) % 32 == 0):
             return False
         if kernels.vector_bits() == 256:
-            return self.bits == 4
+            return self.bits in (4, 8)
         return kernels.vector_bits() == 512 and not kernels.has_amx() and layer.dtype in (torch.bfloat16, torch.float16)
 
     def _rows(self, layer, rows: torch.Tensor | None = None):

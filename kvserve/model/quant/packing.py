@@ -14,7 +14,7 @@ int4 values (0..15) are packed two per byte in 32-value chunks: byte ``16c + j``
 Q4 blocks copy straight in). The C++ kernels (csrc/quant_linear.cpp) read exactly this layout; the
 functions here are their reference and the fallback where the kernels cannot be built.
 
-On CPUs with AVX512-VNNI and without AMX, and for int4 on AVX2, a loaded weight is repacked as
+On CPUs with AVX512-VNNI and without AMX, and on AVX2, a loaded weight is repacked as
 *strips* (``to_strips``): 16 output channels side by side, one per 32-bit lane, which the integer
 kernels there read (AVX2 takes a strip as two halves of 8 channels).
 """

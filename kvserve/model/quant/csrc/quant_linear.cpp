@@ -1233,14 +1233,14 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
                         int64_t tile_bytes, bool quantize_x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] matrix");
   const at::Tensor q = qweight.scalar_type() == at::kChar ? qweight.view(at::kByte) : qweight;
-  if (q.dim() == 3) {  // repacked as strips at load (VNNI without AMX; AVX2 for int4)
+  if (q.dim() == 3) {  // repacked as strips at load (VNNI without AMX; AVX2)
     const QuantWeight w = check_strips(q, scales, zeros, factors, group, bits);
     TORCH_CHECK(x.size(1) == w.k, "x has ", x.size(1), " features, the weight ", w.k);
 #if defined(KVSERVE_VNNI)
     return strip_linear(w, x, bits, quantize_x ? max_fused_rows : 0, tile_bytes);
 #else
     TORCH_CHECK(quantize_x && strip_linear_avx2_supported(bits),
-                "quant_linear: a weight packed as strips needs AVX512-VNNI, or AVX2 with int4 W and int8 x");
+                "quant_linear: a weight packed as strips needs AVX512-VNNI, or AVX2 with int4 or int8 W and int8 x");
     return strip_linear_avx2(w, bits, x);
 #endif
   }

@@ -21,9 +21,8 @@
 // Every row of x goes through the same instructions whatever the number of rows in the call, so a
 // speculative verify (k + 1 rows) gets for each row bitwise what a 1-row call gives it.
 //
-// int4 W repacked as strips at load (methods.py decides; the section at the end) has a kernel of its
-// own, with the same quantization of x; int8 W (measured no faster as strips: docs/cpu-kernels.md)
-// and W that cannot be cut into strips stay on the rows.
+// int4 and int8 W repacked as strips at load (methods.py decides; the section at the end) have a kernel
+// of their own, with the same quantization of x; W that cannot be cut into strips stays on the rows.
 #include "kernels.h"
 #include "quant_rows.h"
 #include "simd.h"
@@ -309,14 +308,17 @@ at::Tensor int_linear(const QuantWeightRef& w, const at::Tensor& x) {
   return y;
 }
 
-// ---- int4 W repacked as strips (packing.to_strips; quant_linear.cpp's strips section) ---------------
-// A lane is an output channel, so neither the scales nor the sums cross lanes: W's 64-byte vector j of
-// chunk c holds channels 0-7 of the strip in its first 32 bytes and 8-15 in its second; each half is
-// multiplied with x's inputs 32c + 8j .. + 3 (low nibbles) and + 4 .. + 7 (high nibbles), broadcast.
-// A chunk's 8 int16 pair sums per lane add up in int16 (at most 8 * 2 * 15 * 127 = 30480) before one
-// vpmaddwd makes them int32, then one multiply-add applies the 8 channels' scales times dx. Against the
-// row-major kernel above this drops the per-row scale conversion, the blended per-lane scales and
-// every row's horizontal sum: the default model's decode step spent most of its kernel time there.
+// ---- int4 and int8 W repacked as strips (packing.to_strips; quant_linear.cpp's strips section) ------
+// A lane is an output channel, so neither the scales nor the sums cross lanes. int4: W's 64-byte
+// vector j of chunk c holds channels 0-7 of the strip in its first 32 bytes and 8-15 in its second;
+// each half is multiplied with x's inputs 32c + 8j .. + 3 (low nibbles) and + 4 .. + 7 (high
+// nibbles), broadcast. A chunk's 8 int16 pair sums per lane add up in int16 (at most 8 * 2 * 15 * 127
+// = 30480) before one vpmaddwd makes them int32. int8: vector j (of 8) holds w + 128 for inputs
+// 32c + 4j .. + 3, channels 0-7 then 8-15; flipping the top bit gives w back for the sign trick, and
+// each product goes to int32 at once. Then one multiply-add applies the 8 channels' scales times dx.
+// Against the row-major kernel above this drops the per-row scale conversion, the blended per-lane
+// scales and every row's horizontal sum: the default model's decode step spent most of its kernel
+// time there (for its int8 head, ~0.7x the rows' time on Zen 3).
 struct StripXAvx2 {  // rows of x quantized for the strip kernel, each row at a stride of its own
   const int8_t* q;     // [rows][k]: int8, natural order
   const float* step;   // [rows][chunks]: dx of each chunk
@@ -360,45 +362,73 @@ inline __m256 strip_zeros8(const QuantWeightRef& w, int64_t at) {
 // How far ahead (bytes) the strip kernel prefetches W into L1, as the VNNI strip kernel does.
 constexpr int64_t kStripPrefetchBytes = 4096;
 
-// Channels 16s + 8 half .. + 7 of W against MB rows of x, into y (rows at ldy), stored in Y's dtype.
-template <bool CODED, int MB, typename Y>
-void strip_half(const QuantWeightRef& w, const StripXAvx2& x, int64_t s, int half, Y* y, int64_t ldy) {
-  const int64_t per_group = w.group / 32;
-  const uint8_t* ws = w.data + s * x.chunks * 256 + 32 * half;
+// The int32 sums of int4 chunk wc's products with MB rows of x (half: channels 8 half .. + 7).
+template <int MB>
+inline void chunk_dot4(const uint8_t* wc, const StripXAvx2& x, int64_t c, __m256i* sum) {
   const __m256i low4 = _mm256_set1_epi8(15);
+  __m256i pairs[MB];
+  for (int m = 0; m < MB; ++m) pairs[m] = _mm256_setzero_si256();
+  const auto quarter = [&](int j) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 64 * j));
+    const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    for (int m = 0; m < MB; ++m) {
+      const int8_t* xm = x.q + m * x.k + 32 * c + 8 * j;
+      pairs[m] = _mm256_add_epi16(pairs[m], _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xm)),
+                                                             _mm256_maddubs_epi16(hi, broadcast4(xm + 4))));
+    }
+  };
+  if constexpr (MB == 1) {
+    for (int j = 0; j < 4; ++j) quarter(j);
+  } else {
+    // Unrolled, GCC computed every product of the chunk first and spilled them to the stack: with
+    // several rows each row cost as much as a 1-row call (verify steps, prefill).
+#pragma GCC unroll 1
+    for (int j = 0; j < 4; ++j) quarter(j);
+  }
+  for (int m = 0; m < MB; ++m) sum[m] = _mm256_madd_epi16(pairs[m], _mm256_set1_epi16(1));
+}
+
+// The same for int8 chunk wc (w + 128 as bytes): |w| times x with w's sign, into int32 at once.
+template <int MB>
+inline void chunk_dot8(const uint8_t* wc, const StripXAvx2& x, int64_t c, __m256i* sum) {
+  for (int m = 0; m < MB; ++m) sum[m] = _mm256_setzero_si256();
+  const auto eighth = [&](int j) {
+    const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 64 * j)),
+                                       _mm256_set1_epi8(static_cast<char>(0x80)));
+    const __m256i wabs = _mm256_abs_epi8(w);
+    for (int m = 0; m < MB; ++m)
+      sum[m] = _mm256_add_epi32(sum[m], dot_u8s8(wabs, _mm256_sign_epi8(broadcast4(x.q + m * x.k + 32 * c + 4 * j), w)));
+  };
+  if constexpr (MB == 1) {
+    for (int j = 0; j < 8; ++j) eighth(j);
+  } else {
+#pragma GCC unroll 1  // as in chunk_dot4
+    for (int j = 0; j < 8; ++j) eighth(j);
+  }
+}
+
+// Channels 16s + 8 half .. + 7 of W against MB rows of x, into y (rows at ldy), stored in Y's dtype.
+template <int BITS, bool CODED, int MB, typename Y>
+void strip_half(const QuantWeightRef& w, const StripXAvx2& x, int64_t s, int half, Y* y, int64_t ldy) {
+  constexpr int64_t kChunkBytes = BITS == 4 ? 256 : 512;
+  const int64_t per_group = w.group / 32;
+  const uint8_t* ws = w.data + s * x.chunks * kChunkBytes + 32 * half;
   __m256 acc[MB], zacc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = zacc[m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < x.groups; ++g) {
     const int64_t at = (s * x.groups + g) * 16 + 8 * half;
     const __m256 scale = strip_scales8<CODED>(w, at);
     for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
-      const uint8_t* wc = ws + c * 256;
+      const uint8_t* wc = ws + c * kChunkBytes;
       if (half == 0)  // the second half reads the same lines, from L1
-        for (int64_t line = 0; line < 256; line += 64)
+        for (int64_t line = 0; line < kChunkBytes; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(wc + kStripPrefetchBytes + line), _MM_HINT_T0);
       __m256i sum[MB];
-      for (int m = 0; m < MB; ++m) sum[m] = _mm256_setzero_si256();
-      const auto quarter = [&](int j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 64 * j));
-        const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        for (int m = 0; m < MB; ++m) {
-          const int8_t* xm = x.q + m * x.k + 32 * c + 8 * j;
-          sum[m] = _mm256_add_epi16(sum[m], _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xm)),
-                                                             _mm256_maddubs_epi16(hi, broadcast4(xm + 4))));
-        }
-      };
-      if constexpr (MB == 1) {
-        for (int j = 0; j < 4; ++j) quarter(j);
-      } else {
-        // Unrolled, GCC computed every product of the chunk first and spilled them to the stack: with
-        // several rows each row cost as much as a 1-row call (verify steps, prefill).
-#pragma GCC unroll 1
-        for (int j = 0; j < 4; ++j) quarter(j);
-      }
-      for (int m = 0; m < MB; ++m) {
-        const __m256 d = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[m], _mm256_set1_epi16(1)));
-        acc[m] = _mm256_fmadd_ps(d, _mm256_mul_ps(scale, _mm256_set1_ps(x.step[m * x.chunks + c])), acc[m]);
-      }
+      if constexpr (BITS == 4) chunk_dot4<MB>(wc, x, c, sum);
+      else chunk_dot8<MB>(wc, x, c, sum);
+      for (int m = 0; m < MB; ++m)
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m]), _mm256_mul_ps(scale, _mm256_set1_ps(x.step[m * x.chunks + c])),
+                                 acc[m]);
     }
     if (w.zeros) {
       const __m256 zero = strip_zeros8<CODED>(w, at);
@@ -417,7 +447,7 @@ void strip_half(const QuantWeightRef& w, const StripXAvx2& x, int64_t s, int hal
   }
 }
 
-template <bool CODED, typename T>
+template <int BITS, bool CODED, typename T>
 at::Tensor strip_linear(const QuantWeightRef& w, const at::Tensor& x) {
   const int64_t m = x.size(0), chunks = w.k / 32, groups = w.k / w.group, strips = w.n / 16;
   // The calling thread's buffers, reused across calls; the workers reach them through these pointers
@@ -440,13 +470,13 @@ at::Tensor strip_linear(const QuantWeightRef& w, const at::Tensor& x) {
   T* yp = y.data_ptr<T>();
   // Each thread streams its share of the strips (pieces of ~32 KB of W); a strip's every block of
   // x runs while the strip is in L1, so prefill also reads W once.
-  const int64_t strip_bytes = chunks * 256;
+  const int64_t strip_bytes = chunks * (BITS == 4 ? 256 : 512);
   parallel_for_streams(strips, std::max<int64_t>(1, (int64_t{1} << 15) / strip_bytes), [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s)
       for (int64_t m0 = 0; m0 < m; m0 += 4) {
         const StripXAvx2 xs{q + m0 * w.k, step + m0 * chunks, xsum + m0 * groups, w.k, chunks, groups};
         with_few_rows<4>(std::min<int64_t>(4, m - m0), [&](auto mb) {
-          for (int half = 0; half < 2; ++half) strip_half<CODED, decltype(mb)::value>(w, xs, s, half, yp + m0 * w.n, w.n);
+          for (int half = 0; half < 2; ++half) strip_half<BITS, CODED, decltype(mb)::value>(w, xs, s, half, yp + m0 * w.n, w.n);
         });
       }
   });
@@ -469,12 +499,14 @@ at::Tensor int_linear_avx2(const QuantWeightRef& w, int64_t bits, const at::Tens
   });
 }
 
-bool strip_linear_avx2_supported(int64_t bits) { return bits == 4; }
+bool strip_linear_avx2_supported(int64_t bits) { return bits == 4 || bits == 8; }
 
 at::Tensor strip_linear_avx2(const QuantWeightRef& w, int64_t bits, const at::Tensor& x) {
-  TORCH_CHECK(strip_linear_avx2_supported(bits), "strip_linear_avx2: int4 only");
+  TORCH_CHECK(strip_linear_avx2_supported(bits), "strip_linear_avx2: int4 or int8 only");
   return with_x_dtype(x, [&](auto t) {
-    return w.factors ? strip_linear<true, decltype(t)>(w, x) : strip_linear<false, decltype(t)>(w, x);
+    using T = decltype(t);
+    if (bits == 4) return w.factors ? strip_linear<4, true, T>(w, x) : strip_linear<4, false, T>(w, x);
+    return w.factors ? strip_linear<8, true, T>(w, x) : strip_linear<8, false, T>(w, x);
   });
 }
 
