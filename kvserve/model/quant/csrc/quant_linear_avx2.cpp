@@ -362,7 +362,8 @@ inline __m256 strip_zeros8(const QuantWeightRef& w, int64_t at) {
 // How far ahead (bytes) the strip kernel prefetches W into L1, as the VNNI strip kernel does.
 constexpr int64_t kStripPrefetchBytes = 4096;
 
-// The int32 sums of int4 chunk wc's products with MB rows of x (half: channels 8 half .. + 7).
+// The int32 sums, per channel of a strip's half, of int4 chunk c's products with MB rows of x (wc: the
+// chunk's first byte of that half).
 template <int MB>
 inline void chunk_dot4(const uint8_t* wc, const StripXAvx2& x, int64_t c, __m256i* sum) {
   const __m256i low4 = _mm256_set1_epi8(15);
