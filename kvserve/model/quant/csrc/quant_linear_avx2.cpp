@@ -362,6 +362,19 @@ inline __m256 strip_zeros8(const QuantWeightRef& w, int64_t at) {
 // How far ahead (bytes) the strip kernel prefetches W into L1, as the VNNI strip kernel does.
 constexpr int64_t kStripPrefetchBytes = 4096;
 
+// f(j) for j in [0, N): unrolled for one row of x; for several, one j at a time. Unrolled, GCC
+// computed every product of the chunk first and spilled them to the stack: with several rows each
+// row cost as much as a 1-row call (verify steps, prefill).
+template <int N, int MB, typename F>
+inline void chunk_parts(const F& f) {
+  if constexpr (MB == 1) {
+    for (int j = 0; j < N; ++j) f(j);
+  } else {
+#pragma GCC unroll 1
+    for (int j = 0; j < N; ++j) f(j);
+  }
+}
+
 // The int32 sums, per channel of a strip's half, of int4 chunk c's products with MB rows of x (wc: the
 // chunk's first byte of that half).
 template <int MB>
@@ -378,14 +391,7 @@ inline void chunk_dot4(const uint8_t* wc, const StripXAvx2& x, int64_t c, __m256
                                                              _mm256_maddubs_epi16(hi, broadcast4(xm + 4))));
     }
   };
-  if constexpr (MB == 1) {
-    for (int j = 0; j < 4; ++j) quarter(j);
-  } else {
-    // Unrolled, GCC computed every product of the chunk first and spilled them to the stack: with
-    // several rows each row cost as much as a 1-row call (verify steps, prefill).
-#pragma GCC unroll 1
-    for (int j = 0; j < 4; ++j) quarter(j);
-  }
+  chunk_parts<4, MB>(quarter);
   for (int m = 0; m < MB; ++m) sum[m] = _mm256_madd_epi16(pairs[m], _mm256_set1_epi16(1));
 }
 
@@ -400,12 +406,7 @@ inline void chunk_dot8(const uint8_t* wc, const StripXAvx2& x, int64_t c, __m256
     for (int m = 0; m < MB; ++m)
       sum[m] = _mm256_add_epi32(sum[m], dot_u8s8(wabs, _mm256_sign_epi8(broadcast4(x.q + m * x.k + 32 * c + 4 * j), w)));
   };
-  if constexpr (MB == 1) {
-    for (int j = 0; j < 8; ++j) eighth(j);
-  } else {
-#pragma GCC unroll 1  // as in chunk_dot4
-    for (int j = 0; j < 8; ++j) eighth(j);
-  }
+  chunk_parts<8, MB>(eighth);
 }
 
 // Channels 16s + 8 half .. + 7 of W against MB rows of x, into y (rows at ldy), stored in Y's dtype.
