@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -22,7 +23,7 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-from kvserve.runtime.disk_cache import cache_dir
+from kvserve.runtime.disk_cache import cache_dir, write_atomically
 
 log = logging.getLogger(__name__)
 _MODEL = Path(__file__).parent
@@ -88,8 +89,6 @@ def load_kernels() -> ModuleType | None:
     an older instruction set than this CPU's (CPU_TARGETS)."""
     if os.environ.get("KVSERVE_DISABLE_CPU_KERNELS") == "1":
         return None
-    from torch.utils import cpp_extension
-
     from kvserve.runtime.threads import cpu_family, cpu_vendor
 
     cflags = ["-O3", *target_flags(os.environ.get("KVSERVE_CPU_TARGET", "native")), "-ffast-math",
@@ -99,9 +98,14 @@ def load_kernels() -> ModuleType | None:
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         with _build_lock(build_dir):
-            sources, include = _staged_sources(build_dir)
             name = f"kvserve_kernels_{digest}"
-            first = not (build_dir / f"{name}.so").is_file()
+            library, built = build_dir / f"{name}.so", build_dir / "built"
+            if built.is_file() and library.is_file() and built.read_text() == _file_stamp(library):
+                return _import_library(name, library)
+            from torch.utils import cpp_extension  # 0.2 s of imports, only to build
+
+            sources, include = _staged_sources(build_dir)
+            first = not library.is_file()
             if first:
                 _say(f"kvserve: compiling the C++ CPU kernels into {build_dir} (once per machine and torch "
                      "installation; 1-5 minutes)...")
@@ -111,10 +115,29 @@ def load_kernels() -> ModuleType | None:
                 extra_cflags=cflags, extra_ldflags=_OPENMP, extra_include_paths=[include], verbose=False)
             if first:
                 _say(f"kvserve: C++ CPU kernels built in {time.monotonic() - start:.0f} s")
+            try:
+                write_atomically(built, _file_stamp(library).encode())
+            except OSError:  # the next start goes through the build tool again, nothing worse
+                pass
             return module
     except Exception as e:  # no compiler, no ninja, odd platform: the PyTorch path still works
         log.warning("kvserve: C++ CPU kernels unavailable (%s); using the PyTorch path", e)
         return None
+
+
+def _file_stamp(path: Path) -> str:
+    stat = path.stat()
+    return f"{stat.st_size}:{stat.st_mtime_ns}"
+
+
+def _import_library(name: str, library: Path) -> ModuleType:
+    """The module of a finished build, imported directly: the folder's name already keys everything
+    the build depends on, and the ``built`` stamp says the library was whole when it last loaded, so
+    the build tool (and its imports) need not run again."""
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def build_key(cflags: list[str]) -> str:

@@ -97,3 +97,35 @@ def test_kernel_targets():
     assert cpu_kernels.build_key(cpu_kernels.target_flags("avx2")) != cpu_kernels.build_key(["-march=native"])
     with pytest.raises(ValueError, match="KVSERVE_CPU_TARGET"):
         cpu_kernels.target_flags("avx3")
+
+
+def test_a_finished_build_is_imported_without_the_build_tool():
+    """Once a build has loaded, later processes import its library directly: the build tool's imports
+    (torch.utils.cpp_extension, setuptools) cost a server's start ~0.2 s."""
+    import subprocess
+    import sys
+
+    if cpu_kernels.load_kernels() is None:
+        pytest.skip("the C++ kernels cannot be built here")
+    code = ("import sys; from kvserve.model.cpu_kernels import load_kernels; m = load_kernels(); "
+            "print(m is not None and m.vector_bits() > 0, 'torch.utils.cpp_extension' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "False"]
+
+
+def test_a_library_that_changed_since_it_loaded_goes_through_the_build_tool(monkeypatch):
+    if cpu_kernels.load_kernels() is None:
+        pytest.skip("the C++ kernels cannot be built here")
+    imported = []
+    real = cpu_kernels._import_library
+    monkeypatch.setattr(cpu_kernels, "_import_library", lambda *a: imported.append(a) or real(*a))
+    assert cpu_kernels.load_kernels.__wrapped__() is not None
+    assert len(imported) == 1  # the stamp matches: imported directly
+    stamp = next(Path(imported[0][1]).parent.glob("built"))
+    monkeypatch.setattr(cpu_kernels, "_file_stamp", lambda path: "another size and time")
+    try:
+        assert cpu_kernels.load_kernels.__wrapped__() is not None
+        assert len(imported) == 1  # loaded by the build tool, which checked the library first
+    finally:
+        monkeypatch.undo()
+        stamp.write_text(cpu_kernels._file_stamp(next(stamp.parent.glob("*.so"))))

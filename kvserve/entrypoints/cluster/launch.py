@@ -9,8 +9,6 @@ import subprocess
 import sys
 import time
 
-import httpx
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -25,6 +23,8 @@ def wait_for_health(base_url: str, proc: subprocess.Popen, timeout: float, poll:
     Raises RuntimeError if ``proc`` exits first and TimeoutError after ``timeout`` seconds; every
     status seen on the way is appended to ``statuses`` if given.
     """
+    import httpx  # here, not at the top: `kvserve serve` imports this module for its options alone
+
     start = time.monotonic()
     while time.monotonic() - start < timeout:
         if proc.poll() is not None:
