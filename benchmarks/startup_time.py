@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/startup_time.py                 # serve --dtype bfloat16, 3 starts
     .venv/bin/python benchmarks/startup_time.py --breakdown     # also time each loading stage in-process
     .venv/bin/python benchmarks/startup_time.py --quantization none   # bf16 dense: GGUF blocks dequantized
+    .venv/bin/python benchmarks/startup_time.py --dtype auto --old REV   # alternate with an older revision
 
 The breakdown runs the stages the server runs, in order, in a fresh process (so imports count),
 with the caches (converted tokenizer, compiled kernel) already warm as they are after a first start.
@@ -13,8 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
+from pathlib import Path
+
+from ab_trees import alternate, old_revision
 
 from kvserve.bench.launch import free_port, wait_for_health
 
@@ -43,11 +48,13 @@ print(json.dumps(stages))
 '''
 
 
-def time_to_health(dtype: str, extra: list[str], timeout: float = 300.0) -> float:
+def time_to_health(dtype: str, extra: list[str], timeout: float = 300.0, tree: Path | None = None) -> float:
+    """Seconds from launching `kvserve serve` (of ``tree``, default this one) to /health's 200."""
     port = free_port()
     cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--dtype", dtype, "--port", str(port),
            "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
+    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         return wait_for_health(f"http://127.0.0.1:{port}", proc, timeout)
     finally:
@@ -68,12 +75,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--breakdown", action="store_true")
     p.add_argument("--quantization", default="default", help="none, int8, int4 (default: the checkpoint's own)")
     p.add_argument("--serve-args", type=str.split, default=[], help="extra `kvserve serve` flags, one string")
+    p.add_argument("--old", default=None,
+                   help="a git revision whose starts alternate with this tree's, --starts of each (ab_trees.py)")
     args = p.parse_args(argv)
     if args.quantization != "default":
         args.serve_args = ["--quantization", args.quantization, *args.serve_args]
-    for i in range(args.starts):
-        seconds = time_to_health(args.dtype, args.serve_args)
-        print(f"start {i + 1}: /health 200 after {seconds:.1f} s (load avg {os.getloadavg()[0]:.1f})", flush=True)
+    if args.old:
+        with old_revision(args.old) as old_tree:
+            rounds = alternate(old_tree, args.starts,
+                               lambda tree, _: {"seconds": time_to_health(args.dtype, args.serve_args, tree=tree)},
+                               lambda m: f"/health 200 after {m['seconds']:.2f} s")
+        old, new = (statistics.median(m["seconds"] for m in rounds[name]) for name in ("old", "new"))
+        print(f"median of {args.starts}: {args.old} {old:.2f} s, this tree {new:.2f} s")
+    else:
+        for i in range(args.starts):
+            seconds = time_to_health(args.dtype, args.serve_args)
+            print(f"start {i + 1}: /health 200 after {seconds:.1f} s (load avg {os.getloadavg()[0]:.1f})", flush=True)
     if args.breakdown:
         stages = breakdown(args.dtype, args.quantization)
         for name, seconds in stages.items():
