@@ -114,6 +114,8 @@ def test_a_finished_build_is_imported_without_the_build_tool():
 
 
 def test_a_library_that_changed_since_it_loaded_goes_through_the_build_tool(monkeypatch):
+    """A library whose size or time is not the stamp's (a build stopped midway, a file replaced) is
+    never imported directly."""
     if cpu_kernels.load_kernels() is None:
         pytest.skip("the C++ kernels cannot be built here")
     imported = []
@@ -121,11 +123,11 @@ def test_a_library_that_changed_since_it_loaded_goes_through_the_build_tool(monk
     monkeypatch.setattr(cpu_kernels, "_import_library", lambda *a: imported.append(a) or real(*a))
     assert cpu_kernels.load_kernels.__wrapped__() is not None
     assert len(imported) == 1  # the stamp matches: imported directly
-    stamp = next(Path(imported[0][1]).parent.glob("built"))
+    library = Path(imported[0][1])
     monkeypatch.setattr(cpu_kernels, "_file_stamp", lambda path: "another size and time")
     try:
         assert cpu_kernels.load_kernels.__wrapped__() is not None
         assert len(imported) == 1  # loaded by the build tool, which checked the library first
     finally:
         monkeypatch.undo()
-        stamp.write_text(cpu_kernels._file_stamp(next(stamp.parent.glob("*.so"))))
+        (library.parent / "built").write_text(cpu_kernels._file_stamp(library))
