@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from kvserve.config import engine_config, engine_options
 from kvserve.frontend.llm_engine import LLMEngine
-from kvserve.runtime.heap import frozen_heap
+from kvserve.runtime.heap import collection_paused, frozen_heap
 from kvserve.types import RequestOutput, SamplingParams
 
 Prompt = str | list[int]
@@ -24,7 +24,8 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **options) -> None:
-        self.engine = LLMEngine(engine_config(model=model, **options))
+        with collection_paused():  # loading makes objects that live for good: see runtime/heap.py
+            self.engine = LLMEngine(engine_config(model=model, **options))
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -23,6 +23,7 @@ from kvserve.entrypoints.cluster.router import ROUTERS
 from kvserve.entrypoints.openai.guard import DEFAULT_MAX_REQUEST_BYTES
 from kvserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from kvserve.entrypoints.openai.tool_parsers import PARSERS as TOOL_PARSERS
+from kvserve.runtime.heap import collection_paused
 
 logger = logging.getLogger("kvserve.server")
 EXIT_FATAL = 3  # the engine died: not a usage error (2) nor a failed start (1)
@@ -68,13 +69,14 @@ def add_parser(sub) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    with collection_paused():  # the web stack's imports (see runtime/heap.py); the model loads paused too
+        import uvicorn
 
-    from kvserve.entrypoints.llm import engine_config
-    from kvserve.entrypoints.openai.app import ServerOptions, build_app
-    from kvserve.entrypoints.openai.models import default_served_name
-    from kvserve.frontend.tokenizer import read_chat_template
-    from kvserve.model.loader import resolve_model_path
+        from kvserve.entrypoints.llm import engine_config
+        from kvserve.entrypoints.openai.app import ServerOptions, build_app
+        from kvserve.entrypoints.openai.models import default_served_name
+        from kvserve.frontend.tokenizer import read_chat_template
+        from kvserve.model.loader import resolve_model_path
 
     kwargs = engine_kwargs(args)
     if args.model_path and kwargs.get("model") and args.model_path != kwargs["model"]:

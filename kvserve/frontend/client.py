@@ -15,6 +15,7 @@ instead of a growing queue.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import gc
@@ -32,6 +33,7 @@ from kvserve.engine.core import RequestFailedError
 from kvserve.engine.stats import EngineSnapshot
 from kvserve.frontend.llm_engine import LLMEngine
 from kvserve.metrics.stats import StatsCollector
+from kvserve.runtime.heap import collection_paused
 from kvserve.types import RequestOutput, SamplingParams
 
 logger = logging.getLogger("kvserve.client")
@@ -359,11 +361,13 @@ class AsyncEngineClient:
                 self._to_loop(self.on_fatal, e)
 
     def _load(self) -> LLMEngine:
-        """Build and warm up the engine; with ``freeze_gc``, then freeze what is alive. No full
-        collection first: at this point there is no garbage to find, and it would lengthen every
-        start; anything it would have freed stays."""
-        engine = LLMEngine(self.config)
-        self._prefill_rate = engine.core.warm_up()
+        """Build and warm up the engine; with ``freeze_gc`` (the process serves this client alone),
+        with garbage collection paused meanwhile, and then freeze what is alive. No full collection
+        first: at this point there is no garbage to find, and it would lengthen every start; anything
+        it would have freed stays."""
+        with collection_paused() if self.freeze_gc else contextlib.nullcontext():  # see runtime/heap.py
+            engine = LLMEngine(self.config)
+            self._prefill_rate = engine.core.warm_up()
         logger.info("warm-up: prefill at %.0f tokens/s", self._prefill_rate)
         if self.freeze_gc:
             gc.freeze()

@@ -1,5 +1,6 @@
 """frozen_heap: start-up objects are out of the collector's reach while a generation runs, and
-everything is collectable again afterwards (no leak), without undoing somebody else's freeze."""
+everything is collectable again afterwards (no leak), without undoing somebody else's freeze.
+collection_paused: no collection during start-up, collection as before after it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import weakref
 
 import pytest
 
-from kvserve.runtime.heap import frozen_heap
+from kvserve.runtime.heap import collection_paused, frozen_heap
 
 
 class _Node:
@@ -76,3 +77,34 @@ def test_generate_unfreezes_even_when_it_fails(tiny_llama):
     with pytest.raises(RuntimeError, match="boom"):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert seen[0] > 0 and gc.get_freeze_count() == 0
+
+
+def test_collection_is_off_while_paused_and_on_again_after():
+    assert gc.isenabled()
+    with collection_paused():
+        assert not gc.isenabled()
+        made = _garbage_cycle()
+    assert gc.isenabled()
+    gc.collect()
+    assert made() is None  # a cycle made while paused is collected afterwards
+
+
+def test_a_collector_switched_off_by_someone_else_stays_off():
+    gc.disable()
+    try:
+        with collection_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_importing_kvserve_runs_no_full_collection():
+    """``import kvserve`` (torch, transformers) leaves collection on, having paused it meanwhile."""
+    import subprocess
+    import sys
+
+    code = ("import gc, sys; full = lambda: gc.get_stats()[2]['collections']; before = full(); "
+            "import kvserve; print(gc.isenabled(), full() - before, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "0", "True"]
