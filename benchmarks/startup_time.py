@@ -29,8 +29,9 @@ stages, t = {}, time.perf_counter()
 def lap(name):
     global t
     now = time.perf_counter(); stages[name] = now - t; t = now
-import torch; lap("import torch")
-import transformers, fastapi, uvicorn, kvserve; lap("import transformers, fastapi, uvicorn, kvserve")
+import kvserve, torch; lap("import kvserve: torch, transformers")
+import fastapi, uvicorn, kvserve.entrypoints.openai.app; lap("import the server: fastapi, uvicorn")
+import gc; gc.disable()  # the server loads with collection paused (runtime/heap.py)
 from kvserve.model.default_model import verified_default_model_path
 path = verified_default_model_path(); lap("sha256 of the GGUF file (checked once per file version)")
 from kvserve.model import gguf_file
