@@ -173,6 +173,20 @@ def test_bad_words_are_tokenized_as_generated_alone_and_mid_text():
     assert all(len(ids) == 2 for ids in rest)
 
 
+def test_http_requests_bring_their_bad_words_tokenized():
+    """The server tokenizes bad words with the event loop's tokenizer, so the engine thread, which
+    every stream waits on, does not."""
+    from kvserve.entrypoints.openai.protocol import CompletionRequest
+    from kvserve.entrypoints.openai.serving import build_params
+    from kvserve.frontend.client import ModelInfo
+
+    tokenizer = load_tokenizer(resolve_model_path(None))
+    info = ModelInfo(tokenizer, 64, len(tokenizer), 64, 4, 16, 8, lambda ids: None, lambda params: None)
+    params = build_params(CompletionRequest(model="m", prompt="hi", bad_words=["Paris"]), info, max_tokens=4)
+    assert params.bad_words_token_ids == bad_words_token_ids(tokenizer, ["Paris"])
+    assert build_params(CompletionRequest(model="m", prompt="hi"), info, max_tokens=4).bad_words_token_ids is None
+
+
 def test_bad_words_are_never_generated(tiny):
     tokenizer = tiny.get_tokenizer()
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

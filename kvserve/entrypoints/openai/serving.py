@@ -22,6 +22,7 @@ from kvserve.entrypoints.openai.errors import APIError, bad_request, error_body,
 from kvserve.entrypoints.openai.protocol import SamplingRequest
 from kvserve.entrypoints.openai.structured import Requested, as_api_error, is_structure_error
 from kvserve.frontend.client import AsyncEngineClient, ModelInfo, RequestStream
+from kvserve.frontend.tokenizer import bad_words_token_ids
 from kvserve.metrics.prometheus import PrometheusMetrics
 from kvserve.types import CompletionOutput, RequestOutput, SamplingParams, TokenLogprob, truncate_prompt
 
@@ -89,6 +90,8 @@ def build_params(req: SamplingRequest, info: ModelInfo, max_tokens: int, logprob
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, logit_bias=_logit_bias(req.logit_bias),
             allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
+            # tokenized here, with the event loop's tokenizer, rather than on the engine thread
+            bad_words_token_ids=bad_words_token_ids(info.tokenizer, req.bad_words) if req.bad_words else None,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             structured_outputs=structure.spec if structure is not None else None)
         info.validate_params(params)
