@@ -89,6 +89,29 @@ def test_collection_is_off_while_paused_and_on_again_after():
     assert made() is None  # a cycle made while paused is collected afterwards
 
 
+def test_what_a_pause_made_goes_to_the_oldest_generation():
+    """So the first young collection after a pause does not walk all of it once more."""
+    with collection_paused():
+        made = _Node()
+    assert gc.get_freeze_count() == 0
+    assert any(o is made for o in gc.get_objects(generation=2))
+
+
+def test_a_pause_leaves_an_earlier_freeze_alone(monkeypatch):
+    calls = []
+    gc.freeze()
+    try:
+        monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze"))
+        monkeypatch.setattr(gc, "unfreeze", lambda: calls.append("unfreeze"))
+        with collection_paused():
+            pass
+        assert gc.isenabled()
+    finally:
+        monkeypatch.undo()
+        gc.unfreeze()
+    assert calls == []
+
+
 def test_a_collector_switched_off_by_someone_else_stays_off():
     gc.disable()
     try:
