@@ -12,7 +12,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from kvserve.runtime.disk_cache import cache_dir
+from kvserve.runtime.disk_cache import cache_dir, file_version
 
 # What transformers writes as the class of a plain fast tokenizer (v5 calls it TokenizersBackend).
 _PLAIN_FAST = {"TokenizersBackend", "PreTrainedTokenizerFast", PreTrainedTokenizerFast.__name__}
@@ -46,8 +46,7 @@ def read_chat_template(value: str) -> str:
 def _load(path: Path) -> PreTrainedTokenizerBase:
     if path.is_dir():
         return _auto_tokenizer(path)
-    stat = path.stat()
-    cached = cache_dir() / "tokenizers" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    cached = cache_dir() / "tokenizers" / f"{path.stem}-{file_version(path)}"
     if (cached / "tokenizer.json").is_file():
         try:
             return _load_cached(cached)

@@ -23,7 +23,7 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-from kvserve.runtime.disk_cache import cache_dir, write_atomically
+from kvserve.runtime.disk_cache import cache_dir, file_version, write_atomically
 
 log = logging.getLogger(__name__)
 _MODEL = Path(__file__).parent
@@ -100,7 +100,7 @@ def load_kernels() -> ModuleType | None:
         with _build_lock(build_dir):
             name = f"kvserve_kernels_{digest}"
             library, built = build_dir / f"{name}.so", build_dir / "built"
-            if built.is_file() and library.is_file() and built.read_text() == _file_stamp(library):
+            if built.is_file() and library.is_file() and built.read_text() == file_version(library):
                 return _import_library(name, library)
             from torch.utils import cpp_extension  # 0.2 s of imports, only to build
 
@@ -116,18 +116,13 @@ def load_kernels() -> ModuleType | None:
             if first:
                 _say(f"kvserve: C++ CPU kernels built in {time.monotonic() - start:.0f} s")
             try:
-                write_atomically(built, _file_stamp(library).encode())
+                write_atomically(built, file_version(library).encode())
             except OSError:  # the next start goes through the build tool again, nothing worse
                 pass
             return module
     except Exception as e:  # no compiler, no ninja, odd platform: the PyTorch path still works
         log.warning("kvserve: C++ CPU kernels unavailable (%s); using the PyTorch path", e)
         return None
-
-
-def _file_stamp(path: Path) -> str:
-    stat = path.stat()
-    return f"{stat.st_size}:{stat.st_mtime_ns}"
 
 
 def _import_library(name: str, library: Path) -> ModuleType:

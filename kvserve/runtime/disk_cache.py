@@ -12,6 +12,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVSERVE_CACHE_DIR", Path.home() / ".cache" / "kvserve"))
 
 
+def file_version(path: Path) -> str:
+    """What names a version of a file in a cache key: its size and modification time, which any
+    rewrite (a reinstall, a rebuild, an edit) changes."""
+    stat = path.stat()
+    return f"{stat.st_size}-{stat.st_mtime_ns}"
+
+
 def write_atomically(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file and a rename, so that a concurrent reader
     never sees half a file. Raises OSError (a read-only folder: callers build again next time)."""

@@ -124,10 +124,10 @@ def test_a_library_that_changed_since_it_loaded_goes_through_the_build_tool(monk
     assert cpu_kernels.load_kernels.__wrapped__() is not None
     assert len(imported) == 1  # the stamp matches: imported directly
     library = Path(imported[0][1])
-    monkeypatch.setattr(cpu_kernels, "_file_stamp", lambda path: "another size and time")
+    monkeypatch.setattr(cpu_kernels, "file_version", lambda path: "another size and time")
     try:
         assert cpu_kernels.load_kernels.__wrapped__() is not None
         assert len(imported) == 1  # loaded by the build tool, which checked the library first
     finally:
         monkeypatch.undo()
-        (library.parent / "built").write_text(cpu_kernels._file_stamp(library))
+        (library.parent / "built").write_text(cpu_kernels.file_version(library))
