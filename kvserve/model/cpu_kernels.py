@@ -52,7 +52,7 @@ CPU_TARGETS = {
 }
 # at::parallel_for is an OpenMP pragma in the headers: without -fopenmp every kernel runs on one
 # thread, and one core reads only about half the memory bandwidth two do.
-_OPENMP = ["-fopenmp"]
+_OPENMP = ("-fopenmp",)
 
 
 def _cpu_signature() -> str:
@@ -112,7 +112,8 @@ def load_kernels() -> ModuleType | None:
             start = time.monotonic()
             module = cpp_extension.load(
                 name=name, sources=sources, build_directory=str(build_dir),
-                extra_cflags=cflags, extra_ldflags=_OPENMP, extra_include_paths=[include], verbose=False)
+                extra_cflags=cflags, extra_ldflags=list(_OPENMP),  # a copy: the loader appends to it
+                extra_include_paths=[include], verbose=False)
             if first:
                 _say(f"kvserve: C++ CPU kernels built in {time.monotonic() - start:.0f} s")
             try:
