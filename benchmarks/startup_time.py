@@ -30,8 +30,8 @@ def lap(name):
     global t
     now = time.perf_counter(); stages[name] = now - t; t = now
 import kvserve, torch; lap("import kvserve: torch, transformers")
+import gc; gc.disable()  # the server imports its web stack and loads with collection paused (runtime/heap.py)
 import fastapi, uvicorn, kvserve.entrypoints.openai.app; lap("import the server: fastapi, uvicorn")
-import gc; gc.disable()  # the server loads with collection paused (runtime/heap.py)
 from kvserve.model.default_model import verified_default_model_path
 path = verified_default_model_path(); lap("sha256 of the GGUF file (checked once per file version)")
 from kvserve.model import gguf_file
