@@ -9,8 +9,8 @@ CPython), so the collections in between only look at objects the generation itse
 nothing stays uncollectable after it.
 
 Start-up (importing torch and transformers, loading a model) allocates about a million objects that
-live as long as the process. The collections they trigger, four of them full, only walk them: on two
-cores that was ~0.8 s of a server's start. ``collection_paused`` turns collection off meanwhile.
+live as long as the process. The collections they trigger, five of them full, only walk them: on two
+cores that was ~0.9 s of a server's start. ``collection_paused`` turns collection off meanwhile.
 """
 
 from __future__ import annotations
