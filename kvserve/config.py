@@ -634,6 +634,10 @@ class EngineConfig:
                                        "the CPU, NCCL on CUDA (one GPU per rank)")
     chat_template: str | None = option(None, "Jinja chat template for chat requests instead of the model's own "
                                        "(or for a model without one): a file holding it, or the template itself")
+    weight_cache_gb: float = option(4.0, "keep the weights as converted at load (GGUF blocks repacked, or "
+                                    "quantized at load) under $KVSERVE_CACHE_DIR, up to this many GiB in all (least "
+                                    "recently used out first), and read them back on a later start; 0: convert "
+                                    "every time (model/weight_cache.py)")
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":
@@ -646,6 +650,8 @@ class EngineConfig:
             raise ValueError(f"num_threads={self.num_threads} must be >= 1")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        if not self.weight_cache_gb >= 0:
+            raise ValueError(f"weight_cache_gb={self.weight_cache_gb} must be >= 0")
         if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template.strip()):
             raise ValueError("chat_template must be a file holding a Jinja template, or the template itself")
         if self.async_scheduling and self.tensor_parallel_size > 1:

@@ -112,7 +112,8 @@ class EngineCore:
         tp = config.tensor_parallel_size
         model, self.model_config = load_model(self.model_path, config.torch_dtype, device, config.quant,
                                               config.scheduler.max_model_len,
-                                              shard=TensorShard(0, tp) if tp > 1 else None)
+                                              shard=TensorShard(0, tp) if tp > 1 else None,
+                                              weight_cache_gb=config.weight_cache_gb)
         self.kv_layout = self._kv_layout(model, config)
         self.kv_info = size_kv_cache(config, self.model_config, self.kv_layout)
         self.memory = MemoryReport.of(model, self.kv_info, config)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from kvserve.config import ModelConfig, QuantConfig
-from kvserve.model import gguf_file
+from kvserve.model import gguf_file, weight_cache
 from kvserve.model.default_model import verified_default_model_path
 from kvserve.model.quant.plan import assign_quant_methods
 from kvserve.model.registry import model_class
@@ -115,7 +115,8 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device, quant: QuantConfig | None = None,
-               max_model_len: int | None = None, shard: TensorShard | None = None) -> tuple[torch.nn.Module, ModelConfig]:
+               max_model_len: int | None = None, shard: TensorShard | None = None,
+               weight_cache_gb: float = 0.0) -> tuple[torch.nn.Module, ModelConfig]:
     """Build the registered model class for the checkpoint and fill every parameter.
 
     ``quant``: the weights' quantization and how its linears take x (kvserve.model.quant.plan; the
@@ -123,7 +124,8 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quant: Quan
     ``max_model_len`` caps the config's ``max_position``: the RoPE tables need no more, and LongRoPE
     picks its factors by it. ``shard``: build and fill only this tensor-parallel rank's part
     (model/sharding.py); the model's own config is then that part's, while the config returned is
-    the whole model's.
+    the whole model's. ``weight_cache_gb``: keep the converted weights on disk within this budget and
+    read them back on a later load (model/weight_cache.py); 0 converts every time.
     """
     quant = quant or QuantConfig()
     hf = load_hf_config(path)
@@ -136,10 +138,19 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quant: Quan
     with torch.device(device):
         model = cls(local, dtype)
         assign_quant_methods(model, quant, gguf_file.tensor_types(path) if gguf else None)
+    # a load that converts (GGUF blocks, quantization at load) on one CPU process: worth keeping
+    converts = gguf or quant.quantization not in (None, "none")
+    key = None
+    if weight_cache_gb > 0 and converts and device.type == "cpu" and shard is None:
+        key = weight_cache.cache_key(path, dtype, quant, max_model_len)
+        if weight_cache.restore(model, key):
+            return model.eval(), config
     weights = gguf_file.iter_weights(path, hf, keep_blocks=quant.quantization != "none") if gguf else iter_safetensors(path)
     if shard is not None:
         weights = shard.shard_weights(config, weights)
     model.load_weights(weights)
     if device.type == "cpu":
         pack_linear_weights(model)
+    if key is not None:
+        weight_cache.save(model, key, int(weight_cache_gb * 2**30))
     return model.eval(), config

@@ -38,18 +38,21 @@ def _tensors(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.T
     return out
 
 
-def _advise_huge_pages(buffer: torch.Tensor) -> bool:
-    """Ask Linux to back the 2 MiB-aligned part of ``buffer`` with huge pages; False where it cannot."""
+def huge_page_buffer(nbytes: int) -> tuple[torch.Tensor, bool]:
+    """An untouched uint8 buffer of ``nbytes`` whose 2 MiB-aligned part Linux is asked to back with
+    huge pages, and whether it agreed. The pages are faulted in as huge pages by the first writes,
+    so the caller must not have touched them before."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
     start = buffer.data_ptr()
     first = -(-start // _HUGE_PAGE) * _HUGE_PAGE
-    length = (start + buffer.numel() - first) // _HUGE_PAGE * _HUGE_PAGE
+    length = (start + nbytes - first) // _HUGE_PAGE * _HUGE_PAGE
     if length <= 0:
-        return False
+        return buffer, False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0
+        return buffer, libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0
     except (OSError, AttributeError):  # not Linux / no madvise
-        return False
+        return buffer, False
 
 
 def pack_linear_weights(model: torch.nn.Module) -> int:
@@ -64,9 +67,7 @@ def pack_linear_weights(model: torch.nn.Module) -> int:
     for _, _, tensor in entries:
         offsets.append(size)
         size += -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
-    # The pages are not touched before madvise, so the copies below fault them in as huge pages.
-    arena = torch.empty(size, dtype=torch.uint8)
-    huge = _advise_huge_pages(arena)
+    arena, huge = huge_page_buffer(size)
     for (module, name, tensor), offset in zip(entries, offsets):
         nbytes = tensor.numel() * tensor.element_size()
         view = arena[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)

@@ -30,7 +30,7 @@ class DraftModelProposer:
     def __init__(self, draft_model: str, target_config: ModelConfig, engine_config: EngineConfig, **_: object) -> None:
         device = torch.device(engine_config.device)
         model, self.config = load_model(resolve_model_path(draft_model), engine_config.torch_dtype, device,
-                                        engine_config.quant)
+                                        engine_config.quant, weight_cache_gb=engine_config.weight_cache_gb)
         if abs(self.config.vocab_size - target_config.vocab_size) > 1024:
             raise ValueError(f"draft vocab {self.config.vocab_size} differs from the target's "
                              f"{target_config.vocab_size}: the draft must share the target's tokenizer")
