@@ -70,40 +70,47 @@ def _slots(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, str, torc
 
 def restore(model: torch.nn.Module, key: str) -> bool:
     """Fill ``model`` (built, not loaded) from the entry ``key``; False, with ``model`` untouched, where
-    there is no such entry or it does not match the model."""
+    there is no such entry or it does not match the model or cannot be read whole."""
     entry = cache_dir() / "weights" / key
-    try:
-        index = json.loads((entry / _INDEX).read_text())
-    except (OSError, ValueError):
+    if not (entry / _INDEX).is_file():
         return False
     slots = _slots(model)
-    if [(name, kind) for _, name, kind, _ in slots] != [(t["name"], t["kind"]) for t in index["tensors"]]:
-        log.warning("weight cache entry %s does not match the model; loading the checkpoint", entry)
-        return False
     try:
-        storages = []
-        with open(entry / _BLOB, "rb") as blob:
-            for nbytes in index["storages"]:
-                buffer, _ = huge_page_buffer(nbytes)
-                if nbytes and blob.readinto(memoryview(buffer.numpy())) != nbytes:
-                    raise OSError("short read")
-                storages.append(buffer)
-    except OSError as e:
-        log.warning("weight cache entry %s is unreadable (%s); loading the checkpoint", entry, e)
+        index = json.loads((entry / _INDEX).read_text())
+        if [(name, kind) for _, name, kind, _ in slots] != [(t["name"], t["kind"]) for t in index["tensors"]]:
+            raise ValueError("its tensors are not this model's")
+        storages = _read_storages(entry, index["storages"])
+        tensors = [None if saved["storage"] is None else _view(storages, saved) for saved in index["tensors"]]
+    except (OSError, ValueError, KeyError, TypeError, IndexError, RuntimeError) as e:
+        log.warning("weight cache entry %s not used (%s); converting the checkpoint", entry, e)
         return False
-    for (module, name, kind, _), saved in zip(slots, index["tensors"]):
+    for (module, name, kind, _), tensor in zip(slots, tensors):
         attr = name.rpartition(".")[2]
-        tensor = None
-        if saved["storage"] is not None:
-            dtype = getattr(torch, saved["dtype"])
-            tensor = torch.empty(0, dtype=dtype).set_(storages[saved["storage"]].untyped_storage(),
-                                                      saved["offset"] // dtype.itemsize, saved["shape"], saved["stride"])
         if kind == "param" and tensor is not None:
             module._parameters[attr].data = tensor
         elif kind == "buffer":
             module._buffers[attr] = tensor
     os.utime(entry)  # most recently used: evicted last
     return True
+
+
+def _read_storages(entry: Path, sizes: list[int]) -> list[torch.Tensor]:
+    storages = []
+    with open(entry / _BLOB, "rb") as blob:
+        for nbytes in sizes:
+            buffer, _ = huge_page_buffer(nbytes)  # the weight arena's pages, as pack_linear_weights has them
+            if nbytes and blob.readinto(memoryview(buffer.numpy())) != nbytes:
+                raise OSError("the blob is shorter than its index says")
+            storages.append(buffer)
+    return storages
+
+
+def _view(storages: list[torch.Tensor], saved: dict) -> torch.Tensor:
+    dtype = getattr(torch, saved["dtype"], None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {saved['dtype']!r}")
+    return torch.empty(0, dtype=dtype).set_(storages[saved["storage"]].untyped_storage(),
+                                            saved["offset"] // dtype.itemsize, saved["shape"], saved["stride"])
 
 
 def save(model: torch.nn.Module, key: str, budget_bytes: int) -> None:

@@ -4,6 +4,7 @@ changed checkpoint or a damaged entry is converted again; entries past the budge
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -115,3 +116,18 @@ def test_entries_past_the_budget_go_least_recently_used_first(tmp_path):
 def test_the_budget_must_not_be_negative():
     with pytest.raises(ValueError, match="weight_cache_gb"):
         EngineConfig(weight_cache_gb=-1)
+
+
+def test_an_index_that_does_not_fit_the_blob_is_not_used(tmp_path, cache):
+    folder, restored = cache
+    path, quantization = _checkpoint(tmp_path, "llama_gguf_q8")
+    prompts = random_prompts(2, 6, 20, seed=4)
+    expected = greedy(_core(path, quantization, 0), prompts, 10)
+    _core(path, quantization, 1.0)
+    (entry,) = folder.iterdir()
+    index = json.loads((entry / "index.json").read_text())
+    first = next(t for t in index["tensors"] if t["storage"] is not None)
+    first["shape"] = [10**9]  # past the end of its storage
+    (entry / "index.json").write_text(json.dumps(index))
+    assert greedy(_core(path, quantization, 1.0), prompts, 10) == expected
+    assert restored[-1] is False
