@@ -37,11 +37,10 @@ from kvserve.model.default_model import verified_default_model_path
 path = verified_default_model_path(); lap("sha256 of the GGUF file (checked once per file version)")
 from kvserve.model import gguf_file
 gguf_file.read_config(path); lap("GGUF header (cached index; gguf.GGUFReader on a first start)")
-from kvserve.config import QuantConfig
+from kvserve.config import EngineConfig, QuantConfig
 from kvserve.model.loader import load_model, resolve_auto
 quant = None if sys.argv[2] == "default" else sys.argv[2]
 dtype, quant = resolve_auto(sys.argv[1], QuantConfig(quant), path, torch.device("cpu"))  # as EngineCore does
-from kvserve.config import EngineConfig
 model, cfg = load_model(path, getattr(torch, dtype), torch.device("cpu"), quant, weight_cache_gb=EngineConfig().weight_cache_gb)
 lap(f"build model ({dtype}), read its kept weights")
 from kvserve.frontend.tokenizer import load_tokenizer
