@@ -83,22 +83,40 @@ def test_a_kept_entry_loads_the_same_model(case, tmp_path, cache):
     assert greedy(read_back, prompts, 12) == greedy(converted, prompts, 12)
 
 
-def test_a_changed_checkpoint_or_a_damaged_entry_is_converted_again(tmp_path, cache):
+@pytest.fixture
+def kept(tmp_path, cache):
+    """A GGUF checkpoint whose entry is kept: (path, prompts, its greedy tokens converted, folder, restores)."""
     folder, restored = cache
-    path, quantization = _checkpoint(tmp_path, "llama_gguf_q8")
+    path, _ = _checkpoint(tmp_path, "llama_gguf_q8")
     prompts = random_prompts(2, 6, 20, seed=3)
-    expected = greedy(_core(path, quantization, 0), prompts, 10)
-    _core(path, quantization, 1.0)
+    expected = greedy(_core(path, None, 0), prompts, 10)
+    _core(path, None, 1.0)
+    return path, prompts, expected, folder, restored
+
+
+def test_a_changed_checkpoint_or_a_damaged_entry_is_converted_again(kept):
+    path, prompts, expected, folder, restored = kept
     (first,) = folder.iterdir()
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a rewrite of the file: another key
-    assert greedy(_core(path, quantization, 1.0), prompts, 10) == expected
+    assert greedy(_core(path, None, 1.0), prompts, 10) == expected
     assert restored == [False, False] and len(list(folder.iterdir())) == 2
     newest = next(e for e in folder.iterdir() if e != first)
     blob = newest / "weights.bin"
     blob.write_bytes(blob.read_bytes()[: blob.stat().st_size // 2])  # cut short
-    assert greedy(_core(path, quantization, 1.0), prompts, 10) == expected
+    assert greedy(_core(path, None, 1.0), prompts, 10) == expected
     assert restored[-1] is False
+
+
+def test_an_index_that_does_not_fit_the_blob_is_not_used(kept):
+    path, prompts, expected, folder, restored = kept
+    (entry,) = folder.iterdir()
+    index = json.loads((entry / "index.json").read_text())
+    first = next(t for t in index["tensors"] if t["storage"] is not None)
+    first["shape"] = [10**9]  # past the end of its storage
+    (entry / "index.json").write_text(json.dumps(index))
+    assert greedy(_core(path, None, 1.0), prompts, 10) == expected
+    assert restored == [False, False]
 
 
 def test_entries_past_the_budget_go_least_recently_used_first(tmp_path):
@@ -117,17 +135,3 @@ def test_the_budget_must_not_be_negative():
     with pytest.raises(ValueError, match="weight_cache_gb"):
         EngineConfig(weight_cache_gb=-1)
 
-
-def test_an_index_that_does_not_fit_the_blob_is_not_used(tmp_path, cache):
-    folder, restored = cache
-    path, quantization = _checkpoint(tmp_path, "llama_gguf_q8")
-    prompts = random_prompts(2, 6, 20, seed=4)
-    expected = greedy(_core(path, quantization, 0), prompts, 10)
-    _core(path, quantization, 1.0)
-    (entry,) = folder.iterdir()
-    index = json.loads((entry / "index.json").read_text())
-    first = next(t for t in index["tensors"] if t["storage"] is not None)
-    first["shape"] = [10**9]  # past the end of its storage
-    (entry / "index.json").write_text(json.dumps(index))
-    assert greedy(_core(path, quantization, 1.0), prompts, 10) == expected
-    assert restored[-1] is False
