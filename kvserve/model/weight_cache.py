@@ -17,12 +17,14 @@ first. Models under MIN_BYTES are not kept: they convert in tens of milliseconds
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -36,6 +38,7 @@ log = logging.getLogger(__name__)
 MIN_BYTES = 32 << 20
 _INDEX, _BLOB = "index.json", "weights.bin"
 _FORMAT = 1
+_STALE_S = 24 * 3600  # a folder still being written after this was left by a killed process
 
 
 def cache_key(path: Path, dtype: torch.dtype, quant: QuantConfig, max_model_len: int | None) -> str:
@@ -152,7 +155,10 @@ def save(model: torch.nn.Module, key: str, budget_bytes: int) -> None:
 def _evict(folder: Path, budget_bytes: int) -> None:
     entries = []
     for entry in folder.iterdir():
-        if entry.suffix == ".tmp":  # being written by another process
+        if entry.suffix == ".tmp":  # being written by another process, or left by a killed one
+            with contextlib.suppress(OSError):
+                if time.time() - entry.stat().st_mtime > _STALE_S:
+                    shutil.rmtree(entry, ignore_errors=True)
             continue
         try:
             entries.append((entry.stat().st_mtime, entry, sum(f.stat().st_size for f in entry.iterdir())))

@@ -126,7 +126,9 @@ def test_entries_past_the_budget_go_least_recently_used_first(tmp_path):
         entry.mkdir(parents=True)
         (entry / "weights.bin").write_bytes(bytes(1000))
         os.utime(entry, (1e9 - age * 100, 1e9 - age * 100))
-    (folder / "other.123.tmp").mkdir()  # another process's entry in the making: never counted or removed
+    (folder / "other.123.tmp").mkdir()  # another process's entry in the making: not counted, kept
+    (folder / "killed.456.tmp").mkdir()  # left by a process killed a day and more ago: removed
+    os.utime(folder / "killed.456.tmp", (1e9, 1e9))
     weight_cache._evict(folder, 2500)
     assert sorted(e.name for e in folder.iterdir()) == ["middle", "newest", "other.123.tmp"]
 
