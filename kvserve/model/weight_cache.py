@@ -4,15 +4,16 @@ of converting the checkpoint again.
 Loading a GGUF file repacks its blocks (quant/gguf_blocks.py, then strips for the integer kernels,
 quant/packing.py), and a float checkpoint with ``quantization`` is quantized at load: for the
 bundled model that is 0.7-0.9 s of a start on a 2-core Zen 3, against 0.13-0.3 s to build the empty
-model and read the result back, and the conversion grows with the model. After such a load every parameter and buffer of the model is written
-to ``weights/<key>/`` (an index and one blob), keyed by everything the result depends on: the
-checkpoint's files and their versions, the dtype, the quantization options, ``max_model_len`` (the
-RoPE tables), kvserve's model code and the compiled kernels (whose build key names the CPU and the
-instruction set). A later load with the same key builds the empty model, checks that its
-parameters and buffers are the ones the index lists, and reads the blob into them; a storage that
-several tensors share (the weight arena, tied weights) is read once into a huge-page-advised
-buffer again (weight_arena.py). Entries past the ``weight_cache_gb`` budget go, least recently used
-first. Models under MIN_BYTES are not kept: they convert in tens of milliseconds anyway.
+model and read the result back, and the conversion grows with the model. After such a load every
+parameter and buffer of the model is written to ``weights/<key>/`` (an index and one blob), keyed
+by everything the result depends on: the checkpoint's files and their versions, the dtype, the
+quantization options, ``max_model_len`` (the RoPE tables), kvserve's model code and the compiled
+kernels (whose build key names the CPU and the instruction set). A later load with the same key
+builds the empty model, checks that its parameters and buffers are the ones the index lists, and
+reads the blob into them; a storage that several tensors share (the weight arena, tied weights) is
+read once into a huge-page-advised buffer again (weight_arena.py). Entries past the
+``weight_cache_gb`` budget go, least recently used first. Models under MIN_BYTES are not kept: they
+convert in tens of milliseconds anyway.
 """
 
 from __future__ import annotations
