@@ -87,7 +87,9 @@ def restore(model: torch.nn.Module, key: str) -> bool:
         storages = _read_storages(entry, index["storages"])
         tensors = [None if saved["storage"] is None else _view(storages, saved) for saved in index["tensors"]]
     except (OSError, ValueError, KeyError, TypeError, IndexError, RuntimeError) as e:
-        log.warning("weight cache entry %s not used (%s); converting the checkpoint", entry, e)
+        # removed, so that this load's save puts a whole entry in its place rather than failing to
+        log.warning("weight cache entry %s removed (%s); converting the checkpoint", entry, e)
+        shutil.rmtree(entry, ignore_errors=True)
         return False
     for (module, name, kind, _), tensor in zip(slots, tensors):
         attr = name.rpartition(".")[2]

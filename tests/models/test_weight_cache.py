@@ -106,6 +106,8 @@ def test_a_changed_checkpoint_or_a_damaged_entry_is_converted_again(kept):
     blob.write_bytes(blob.read_bytes()[: blob.stat().st_size // 2])  # cut short
     assert greedy(_core(path, None, 1.0), prompts, 10) == expected
     assert restored[-1] is False
+    assert greedy(_core(path, None, 1.0), prompts, 10) == expected  # the damaged entry was replaced
+    assert restored[-1] is True
 
 
 def test_an_index_that_does_not_fit_the_blob_is_not_used(kept):
@@ -117,6 +119,8 @@ def test_an_index_that_does_not_fit_the_blob_is_not_used(kept):
     (entry / "index.json").write_text(json.dumps(index))
     assert greedy(_core(path, None, 1.0), prompts, 10) == expected
     assert restored == [False, False]
+    assert greedy(_core(path, None, 1.0), prompts, 10) == expected  # the damaged entry was replaced
+    assert restored == [False, False, True]
 
 
 def test_entries_past_the_budget_go_least_recently_used_first(tmp_path):
