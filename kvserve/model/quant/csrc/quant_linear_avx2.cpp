@@ -375,77 +375,94 @@ inline void chunk_parts(const F& f) {
   }
 }
 
-// The int32 sums, per channel of a strip's half, of int4 chunk c's products with MB rows of x (wc: the
-// chunk's first byte of that half).
-template <int MB>
+// The int32 sums, per channel of H halves of a strip from `half`, of int4 chunk c's products with MB
+// rows of x (wc: the chunk's first byte of that half), at sum[h * MB + m].
+template <int MB, int H>
 inline void chunk_dot4(const uint8_t* wc, const StripXAvx2& x, int64_t c, __m256i* sum) {
   const __m256i low4 = _mm256_set1_epi8(15);
-  __m256i pairs[MB];
-  for (int m = 0; m < MB; ++m) pairs[m] = _mm256_setzero_si256();
+  __m256i pairs[H * MB];
+  for (int i = 0; i < H * MB; ++i) pairs[i] = _mm256_setzero_si256();
   const auto quarter = [&](int j) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 64 * j));
-    const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-    for (int m = 0; m < MB; ++m) {
-      const int8_t* xm = x.q + m * x.k + 32 * c + 8 * j;
-      pairs[m] = _mm256_add_epi16(pairs[m], _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xm)),
-                                                             _mm256_maddubs_epi16(hi, broadcast4(xm + 4))));
+    for (int h = 0; h < H; ++h) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 64 * j + 32 * h));
+      const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* xm = x.q + m * x.k + 32 * c + 8 * j;
+        pairs[h * MB + m] = _mm256_add_epi16(pairs[h * MB + m],
+                                             _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xm)),
+                                                              _mm256_maddubs_epi16(hi, broadcast4(xm + 4))));
+      }
     }
   };
   chunk_parts<4, MB>(quarter);
-  for (int m = 0; m < MB; ++m) sum[m] = _mm256_madd_epi16(pairs[m], _mm256_set1_epi16(1));
+  for (int i = 0; i < H * MB; ++i) sum[i] = _mm256_madd_epi16(pairs[i], _mm256_set1_epi16(1));
 }
 
 // The same for int8 chunk wc (w + 128 as bytes): |w| times x with w's sign, into int32 at once.
-template <int MB>
+template <int MB, int H>
 inline void chunk_dot8(const uint8_t* wc, const StripXAvx2& x, int64_t c, __m256i* sum) {
-  for (int m = 0; m < MB; ++m) sum[m] = _mm256_setzero_si256();
+  for (int i = 0; i < H * MB; ++i) sum[i] = _mm256_setzero_si256();
   const auto eighth = [&](int j) {
-    const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 64 * j)),
-                                       _mm256_set1_epi8(static_cast<char>(0x80)));
-    const __m256i wabs = _mm256_abs_epi8(w);
-    for (int m = 0; m < MB; ++m)
-      sum[m] = _mm256_add_epi32(sum[m], dot_u8s8(wabs, _mm256_sign_epi8(broadcast4(x.q + m * x.k + 32 * c + 4 * j), w)));
+    for (int h = 0; h < H; ++h) {
+      const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 64 * j + 32 * h)),
+                                         _mm256_set1_epi8(static_cast<char>(0x80)));
+      const __m256i wabs = _mm256_abs_epi8(w);
+      for (int m = 0; m < MB; ++m)
+        sum[h * MB + m] = _mm256_add_epi32(sum[h * MB + m],
+                                           dot_u8s8(wabs, _mm256_sign_epi8(broadcast4(x.q + m * x.k + 32 * c + 4 * j), w)));
+    }
   };
   chunk_parts<8, MB>(eighth);
 }
 
-// Channels 16s + 8 half .. + 7 of W against MB rows of x, into y (rows at ldy), stored in Y's dtype.
-template <int BITS, bool CODED, int MB, typename Y>
-void strip_half(const QuantWeightRef& w, const StripXAvx2& x, int64_t s, int half, Y* y, int64_t ldy) {
+// Channels 16s + 8 half .. + 8 (half + H) - 1 of W against MB rows of x, into y (rows at ldy), stored
+// in Y's dtype. One row takes both halves in one pass (H = 2): they share x's broadcasts, and the two
+// halves' independent sums keep more work in flight (~1.1x from memory); several rows go half by half,
+// for want of registers. Each channel's sum is the same either way.
+template <int BITS, bool CODED, int MB, int H, typename Y>
+void strip_halves(const QuantWeightRef& w, const StripXAvx2& x, int64_t s, int half, Y* y, int64_t ldy) {
   constexpr int64_t kChunkBytes = BITS == 4 ? 256 : 512;
   const int64_t per_group = w.group / 32;
   const uint8_t* ws = w.data + s * x.chunks * kChunkBytes + 32 * half;
-  __m256 acc[MB], zacc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = zacc[m] = _mm256_setzero_ps();
+  __m256 acc[H * MB], zacc[H * MB];
+  for (int i = 0; i < H * MB; ++i) acc[i] = zacc[i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < x.groups; ++g) {
     const int64_t at = (s * x.groups + g) * 16 + 8 * half;
-    const __m256 scale = strip_scales8<CODED>(w, at);
+    __m256 scale[H];
+    for (int h = 0; h < H; ++h) scale[h] = strip_scales8<CODED>(w, at + 8 * h);
     for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
       const uint8_t* wc = ws + c * kChunkBytes;
-      if (half == 0)  // the second half reads the same lines, from L1
+      if (half == 0)  // a second pass over half 1 reads the same lines, from L1
         for (int64_t line = 0; line < kChunkBytes; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(wc + kStripPrefetchBytes + line), _MM_HINT_T0);
-      __m256i sum[MB];
-      if constexpr (BITS == 4) chunk_dot4<MB>(wc, x, c, sum);
-      else chunk_dot8<MB>(wc, x, c, sum);
-      for (int m = 0; m < MB; ++m)
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m]), _mm256_mul_ps(scale, _mm256_set1_ps(x.step[m * x.chunks + c])),
-                                 acc[m]);
+      __m256i sum[H * MB];
+      if constexpr (BITS == 4) chunk_dot4<MB, H>(wc, x, c, sum);
+      else chunk_dot8<MB, H>(wc, x, c, sum);
+      for (int h = 0; h < H; ++h)
+        for (int m = 0; m < MB; ++m)
+          acc[h * MB + m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[h * MB + m]),
+                                            _mm256_mul_ps(scale[h], _mm256_set1_ps(x.step[m * x.chunks + c])),
+                                            acc[h * MB + m]);
     }
     if (w.zeros) {
-      const __m256 zero = strip_zeros8<CODED>(w, at);
-      for (int m = 0; m < MB; ++m) zacc[m] = _mm256_fmadd_ps(zero, _mm256_set1_ps(x.xsum[m * x.groups + g]), zacc[m]);
+      for (int h = 0; h < H; ++h) {
+        const __m256 zero = strip_zeros8<CODED>(w, at + 8 * h);
+        for (int m = 0; m < MB; ++m)
+          zacc[h * MB + m] = _mm256_fmadd_ps(zero, _mm256_set1_ps(x.xsum[m * x.groups + g]), zacc[h * MB + m]);
+      }
     }
   }
-  for (int m = 0; m < MB; ++m) {
-    __m256 out;
-    if (CODED) {
-      const float* f = w.factors + s * 32 + 8 * half;  // the strip's 16 scale steps, then its 16 zero steps
-      out = _mm256_fmadd_ps(acc[m], _mm256_loadu_ps(f), _mm256_mul_ps(zacc[m], _mm256_loadu_ps(f + 16)));
-    } else {
-      out = _mm256_add_ps(acc[m], zacc[m]);
+  for (int h = 0; h < H; ++h) {
+    for (int m = 0; m < MB; ++m) {
+      __m256 out;
+      if (CODED) {
+        const float* f = w.factors + s * 32 + 8 * (half + h);  // the strip's 16 scale steps, then its 16 zero steps
+        out = _mm256_fmadd_ps(acc[h * MB + m], _mm256_loadu_ps(f), _mm256_mul_ps(zacc[h * MB + m], _mm256_loadu_ps(f + 16)));
+      } else {
+        out = _mm256_add_ps(acc[h * MB + m], zacc[h * MB + m]);
+      }
+      simd::store8(y + m * ldy + 16 * s + 8 * (half + h), out);
     }
-    simd::store8(y + m * ldy + 16 * s + 8 * half, out);
   }
 }
 
@@ -478,7 +495,12 @@ at::Tensor strip_linear(const QuantWeightRef& w, const at::Tensor& x) {
       for (int64_t m0 = 0; m0 < m; m0 += 4) {
         const StripXAvx2 xs{q + m0 * w.k, step + m0 * chunks, xsum + m0 * groups, w.k, chunks, groups};
         with_few_rows<4>(std::min<int64_t>(4, m - m0), [&](auto mb) {
-          for (int half = 0; half < 2; ++half) strip_half<BITS, CODED, decltype(mb)::value>(w, xs, s, half, yp + m0 * w.n, w.n);
+          constexpr int MB = decltype(mb)::value;
+          if constexpr (MB == 1) {
+            strip_halves<BITS, CODED, 1, 2>(w, xs, s, 0, yp + m0 * w.n, w.n);
+          } else {
+            for (int half = 0; half < 2; ++half) strip_halves<BITS, CODED, MB, 1>(w, xs, s, half, yp + m0 * w.n, w.n);
+          }
         });
       }
   });
